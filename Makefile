@@ -1,0 +1,31 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-slow dry-run clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+## Train configs/llama_tiny.py on a CPU-emulated 8-device mesh (dp=2, tp=4, ZeRO-1).
+run: $(STAMP)
+	$(BIN)/python -m jaxpar.train --config llama_tiny.py --workdir runs/llama_tiny
+
+## The test suite (under 15 minutes on 2 cores; tests marked slow are excluded).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+## Compile llama7b for 8 emulated devices and report memory and collectives.
+dry-run: $(STAMP)
+	$(BIN)/python -m jaxpar.train --config llama7b.py --dry_run --workdir runs/llama7b_dry
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,237 @@
+"""Typed configuration: loading `configs/NAME.py`, `--config.KEY=VALUE` overrides, validation.
+
+Configs follow the Flax/big_vision convention: a Python file whose `get_config()` returns an
+`ml_collections.ConfigDict` (or a plain dict). Inside the library the config is a tree of frozen
+dataclasses, so a typo is an error at start, not a silently ignored key. The key names below are
+part of jaxpar's interface (tests/test_config.py freezes them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import typing
+from typing import Any
+
+from jaxpar.errors import ConfigError
+
+REPO_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = 0  # DeepSpeed semantics: 0 plain DP, 1 opt state, 2 + grads, 3 + params sharded over dp
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 10
+    global_batch_size: int = 8
+    seq_len: int = 64
+    seed: int = 0
+    lr: float = 3e-4
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at `steps`
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # by the global norm over all shards; 0 disables
+    grad_accum: int = 1  # microsteps per optimizer step (gradient accumulation)
+    log_every: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareConfig:
+    """Peak dense bf16 FLOP/s for MFU; `peak_tflops` overrides the table in jaxpar.metrics."""
+
+    peak_tflops: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    mesh: MeshConfig = MeshConfig()
+    zero: ZeroConfig = ZeroConfig()
+    precision: str = "fp32"  # fp32 | bf16 (fp32 master + optimizer state, bf16 compute and grad collectives)
+    train: TrainConfig = TrainConfig()
+    model: ModelConfig = ModelConfig()
+    hardware: HardwareConfig = HardwareConfig()
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def resolve_config_path(name: str) -> pathlib.Path:
+    """A path as given, else `configs/NAME` (with or without .py) in the cwd or the repo."""
+    candidates = [pathlib.Path(name)]
+    for base in (pathlib.Path.cwd() / "configs", REPO_CONFIG_DIR):
+        candidates += [base / name, base / f"{name}.py"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    known = sorted(p.name for p in REPO_CONFIG_DIR.glob("*.py"))
+    raise ConfigError(f"config file '{name}' not found; pass a path or one of configs/: {', '.join(known)}")
+
+
+def load_config_dict(name: str) -> dict:
+    path = resolve_config_path(name)
+    spec = importlib.util.spec_from_file_location(f"jaxpar_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"{path} defines no get_config(); a config file must return its settings from get_config()")
+    raw = module.get_config()
+    return raw.to_dict() if hasattr(raw, "to_dict") else dict(raw)
+
+
+def load_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load `name`, apply `KEY=VALUE` overrides (keys like `mesh.tp`), return a validated Config."""
+    tree = load_config_dict(name)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override '{item}' has no value; write --config.{item}=VALUE")
+        set_by_path(tree, key, value)
+    config = from_dict(Config, tree)
+    validate(config)
+    return config
+
+
+def set_by_path(tree: dict, dotted_key: str, text: str) -> None:
+    """Set `a.b.c` in a nested dict, parsing `text` by the schema's type for that key."""
+    field_type = schema_type(Config, dotted_key.split("."), dotted_key)
+    *parents, leaf = dotted_key.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = parse_value(text, field_type, dotted_key)
+
+
+def schema_type(cls: type, parts: list[str], full_key: str) -> type:
+    hints = typing.get_type_hints(cls)
+    head = parts[0]
+    if head not in hints:
+        known = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise ConfigError(f"unknown config key '{full_key}'; valid keys here are: {known}")
+    if len(parts) == 1:
+        return hints[head]
+    if not dataclasses.is_dataclass(hints[head]):
+        raise ConfigError(f"config key '{full_key}': '{head}' is a value, not a group")
+    return schema_type(hints[head], parts[1:], full_key)
+
+
+def parse_value(text: str, field_type: type, key: str) -> Any:
+    try:
+        if field_type is bool:
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        if field_type is int:
+            return int(text)
+        if field_type is float:
+            return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"--config.{key}={text}: expected a {field_type.__name__}") from None
+
+
+def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict; unknown keys are errors that name the key."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in tree.items():
+        full_key = f"{prefix}{key}"
+        if key not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise ConfigError(f"unknown config key '{full_key}'; valid keys here are: {known}")
+        field_type = hints[key]
+        if dataclasses.is_dataclass(field_type):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{full_key}' must be a group of keys, got {value!r}")
+            kwargs[key] = from_dict(field_type, value, f"{full_key}.")
+        else:
+            kwargs[key] = coerce(value, field_type, full_key)
+    return cls(**kwargs)
+
+
+def coerce(value: Any, field_type: type, key: str) -> Any:
+    if field_type is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if field_type in (int, float, str, bool) and not isinstance(value, field_type):
+        raise ConfigError(f"config key '{key}' must be a {field_type.__name__}, got {value!r}")
+    if field_type is int and isinstance(value, bool):
+        raise ConfigError(f"config key '{key}' must be an int, got {value!r}")
+    return value
+
+
+def to_dict(config: Any) -> dict:
+    return dataclasses.asdict(config)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    """Every impossible layout fails here, before any compilation, with the key and the fix."""
+    mesh, model, train = config.mesh, config.model, config.train
+    for axis in ("dp", "pp", "tp"):
+        _require(getattr(mesh, axis) >= 1, f"mesh.{axis}={getattr(mesh, axis)} must be >= 1")
+    _require(config.zero.stage in (0, 1, 2, 3), f"zero.stage={config.zero.stage} is out of range; use 0, 1, 2 or 3")
+    _require(config.precision in ("fp32", "bf16"), f"precision='{config.precision}' is unknown; use fp32 or bf16")
+    _require(model.d_model % model.n_heads == 0,
+             f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}")
+    _require(model.n_heads % model.n_kv_heads == 0,
+             f"model.n_heads={model.n_heads} is not a multiple of model.n_kv_heads={model.n_kv_heads}")
+    tp = mesh.tp
+    for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        value = getattr(model, key)
+        _require(value % tp == 0, f"mesh.tp={tp} does not divide model.{key}={value}; "
+                                  f"choose a tp that divides {value} (tensor parallel splits it over tp)")
+    _require(model.n_layers % mesh.pp == 0,
+             f"mesh.pp={mesh.pp} does not divide model.n_layers={model.n_layers}; use a pp that divides it")
+    per_step = mesh.dp * train.grad_accum
+    _require(train.global_batch_size % per_step == 0,
+             f"train.global_batch_size={train.global_batch_size} is not divisible by mesh.dp x train.grad_accum "
+             f"= {mesh.dp} x {train.grad_accum}; use a multiple of {per_step}")
+    if config.zero.stage >= 1:
+        _require(model.d_model % mesh.dp == 0,
+                 f"zero.stage={config.zero.stage} shards states over dp on the d_model dim, but mesh.dp={mesh.dp} "
+                 f"does not divide model.d_model={model.d_model}; pick a dp that divides it or zero.stage=0")
+    _require(train.steps >= 1, f"train.steps={train.steps} must be >= 1")
+    _require(train.seq_len >= 2, f"train.seq_len={train.seq_len} must be >= 2")
+    _require(train.grad_accum >= 1, f"train.grad_accum={train.grad_accum} must be >= 1")
+    _require(mesh.pp == 1, f"mesh.pp={mesh.pp}: pipeline parallelism is not available yet (issue 3); use mesh.pp=1")

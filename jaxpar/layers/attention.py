@@ -1,0 +1,36 @@
+"""Grouped-query causal self-attention with RoPE, Megatron layout.
+
+Q/K/V projections are column-parallel (each tp rank owns n_heads/tp query heads and n_kv_heads/tp
+KV heads, no collective); the output projection is row-parallel (one all-reduce over tp).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.layers.collectives import Collectives
+
+
+def rope(x_BxSxNxH: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half form (as in HF Llama), positions 0..S-1."""
+    seq_len, head_dim = x_BxSxNxH.shape[1], x_BxSxNxH.shape[-1]
+    freqs_H2 = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles_SxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freqs_H2[None, :]
+    cos = jnp.cos(angles_SxH2)[None, :, None, :]
+    sin = jnp.sin(angles_SxH2)[None, :, None, :]
+    x32 = x_BxSxNxH.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BxSxNxH.dtype)
+
+
+def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives) -> jax.Array:
+    """p: wq [D, N, H], wk / wv [D, K, H], wo [N, H, D] (N, K: this tp rank's heads)."""
+    q_BxSxNxH = checkpoint_name(jnp.einsum("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
+    k_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wk"]), "key_proj")
+    v_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wv"]), "value_proj")
+    q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta), rope(k_BxSxKxH, rope_theta)
+    o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True)
+    o_BxSxNxH = checkpoint_name(o_BxSxNxH, "attention_out")
+    out_BxSxD = jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH, p["wo"])
+    return checkpoint_name(coll.tp_sum(out_BxSxD), "attention_proj")

@@ -1,0 +1,34 @@
+"""Vocab-parallel embedding and cross-entropy (Megatron): each tp rank owns V/tp vocabulary rows.
+
+Neither gathers the full [B, S, V] logits: the softmax normaliser and the target logit are reduced
+over tp as [B, S] scalars (one max, two sums).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.layers.collectives import Collectives
+
+
+def _local_ids(ids: jax.Array, local_vocab: int, coll: Collectives):
+    local = ids - coll.tp_rank() * local_vocab
+    in_shard = (local >= 0) & (local < local_vocab)
+    return jnp.where(in_shard, local, 0), in_shard
+
+
+def embed(table_VxD: jax.Array, ids_BxS: jax.Array, coll: Collectives) -> jax.Array:
+    """Look up this rank's rows, zero the rest, sum over tp."""
+    local, in_shard = _local_ids(ids_BxS, table_VxD.shape[0], coll)
+    x_BxSxD = jnp.take(table_VxD, local, axis=0) * in_shard[..., None].astype(table_VxD.dtype)
+    return coll.tp_sum(x_BxSxD)
+
+
+def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array, coll: Collectives) -> jax.Array:
+    """Per-token -log softmax(logits)[target] from vocab-sharded fp32 logits."""
+    logits_BxSxV = logits_BxSxV.astype(jnp.float32)
+    max_BxS = coll.tp_max(jax.lax.stop_gradient(jnp.max(logits_BxSxV, axis=-1)))
+    sum_exp_BxS = coll.tp_sum(jnp.sum(jnp.exp(logits_BxSxV - max_BxS[..., None]), axis=-1))
+    local, in_shard = _local_ids(targets_BxS, logits_BxSxV.shape[-1], coll)
+    picked_BxS = jnp.take_along_axis(logits_BxSxV, local[..., None], axis=-1)[..., 0]
+    target_logit_BxS = coll.tp_sum(jnp.where(in_shard, picked_BxS, 0.0))
+    return jnp.log(sum_exp_BxS) + max_BxS - target_logit_BxS

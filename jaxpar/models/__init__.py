@@ -1,0 +1,1 @@
+"""Model math only: no meshes, no shardings; parallel hooks come in through `Collectives`."""

@@ -1,0 +1,131 @@
+"""Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU; layers stacked and scanned.
+
+Math only. Every weight declares its logical axes in `param_axes`; jaxpar.sharding maps them to the
+mesh. Inside `jax.shard_map` the arrays are this device's shards (heads, d_ff and vocab divided by tp)
+and the few reductions Megatron needs come from `Collectives`; on one device they are no-ops.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config import ModelConfig
+from jaxpar.layers import vocab_parallel
+from jaxpar.layers.attention import attention
+from jaxpar.layers.collectives import Collectives
+from jaxpar.layers.mlp import swiglu_mlp
+from jaxpar.layers.norm import rms_norm
+
+LAYER_AXES = {
+    "attn_norm": ("embed",),
+    "wq": ("embed", "heads", "head_dim"),
+    "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"),
+    "wo": ("heads", "head_dim", "embed"),
+    "mlp_norm": ("embed",),
+    "w_gate": ("embed", "mlp"),
+    "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+}
+EMBED_AXES = ("vocab", "embed")
+HEAD_AXES = {"final_norm": ("embed",), "lm_head": ("embed", "vocab")}
+
+
+def param_axes() -> dict:
+    """Logical axes of every weight; the stacked layer weights gain a leading "layers" dim."""
+    return {
+        "embed": EMBED_AXES,
+        "layers": {name: ("layers",) + axes for name, axes in LAYER_AXES.items()},
+        **HEAD_AXES,
+    }
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    d, n, k, h, f, v, layers = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                                cfg.vocab_size, cfg.n_layers)
+    per_layer = {
+        "attn_norm": (d,), "wq": (d, n, h), "wk": (d, k, h), "wv": (d, k, h), "wo": (n, h, d),
+        "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
+    }
+    return {
+        "embed": (v, d),
+        "layers": {name: (layers,) + shape for name, shape in per_layer.items()},
+        "final_norm": (d,),
+        "lm_head": (d, v),
+    }
+
+
+def init(cfg: ModelConfig, key: jax.Array) -> dict:
+    """fp32 weights: N(0, init_std), output projections scaled by 1/sqrt(2 n_layers), norms one.
+
+    Each leaf's key is folded from its position, so values do not depend on how the tree is sharded.
+    """
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    out = []
+    for index, (path, shape) in enumerate(zip(paths, leaves)):
+        if "norm" in path:
+            out.append(jnp.ones(shape, jnp.float32))
+            continue
+        std = cfg.init_std / (math.sqrt(2 * cfg.n_layers) if ("wo" in path or "w_down" in path) else 1.0)
+        out.append(std * jax.random.normal(jax.random.fold_in(key, index), shape, jnp.float32))
+    return jax.tree.unflatten(treedef, out)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    return sum(math.prod(s) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
+
+
+def decoder_layer(x_BxSxD: jax.Array, p: dict, cfg: ModelConfig, coll: Collectives) -> jax.Array:
+    p = coll.gather_weights(p, LAYER_AXES)
+    x_BxSxD = x_BxSxD + attention(rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps), p, cfg.rope_theta, coll)
+    return x_BxSxD + swiglu_mlp(rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps), p, coll)
+
+
+def run_layers(x_BxSxD: jax.Array, layers: dict, cfg: ModelConfig, coll: Collectives,
+               remat_policy: Callable | None = None) -> jax.Array:
+    """Scan the stacked layers; `remat_policy` (a jax.checkpoint policy) wraps each layer if given."""
+    def body(x, layer_params):
+        return decoder_layer(x, layer_params, cfg, coll), None
+
+    if remat_policy is not None:
+        body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
+    x_BxSxD, _ = jax.lax.scan(body, x_BxSxD, layers)
+    return x_BxSxD
+
+
+def embed_tokens(params: dict, ids_BxS: jax.Array, coll: Collectives) -> jax.Array:
+    table = coll.gather_weights(params["embed"], EMBED_AXES)
+    return vocab_parallel.embed(table, ids_BxS, coll)
+
+
+def head_logits(params: dict, x_BxSxD: jax.Array, cfg: ModelConfig, coll: Collectives) -> jax.Array:
+    """Final norm + vocab-parallel LM head: this rank's [B, S, V/tp] slice of fp32 logits."""
+    head = coll.gather_weights({k: params[k] for k in HEAD_AXES}, HEAD_AXES)
+    x_BxSxD = rms_norm(x_BxSxD, head["final_norm"], cfg.norm_eps)
+    return jnp.einsum("bsd,dv->bsv", x_BxSxD, head["lm_head"], preferred_element_type=jnp.float32)
+
+
+def loss_sum(params: dict, batch: dict, cfg: ModelConfig, coll: Collectives = Collectives(),
+             remat_policy: Callable | None = None) -> tuple[jax.Array, Any]:
+    """Sum over (masked) tokens of the next-token cross-entropy, and the token count."""
+    x_BxSxD = embed_tokens(params, batch["inputs"], coll)
+    x_BxSxD = run_layers(x_BxSxD, params["layers"], cfg, coll, remat_policy)
+    logits_BxSxV = head_logits(params, x_BxSxD, cfg, coll)
+    token_loss_BxS = vocab_parallel.cross_entropy(logits_BxSxV, batch["targets"], coll)
+    mask_BxS = batch["mask"].astype(jnp.float32)
+    return jnp.sum(token_loss_BxS * mask_BxS), jnp.sum(mask_BxS)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), PaLM-style model FLOPs:
+    6 x (matmul weights) + 12 x n_layers x d_model x seq_len for attention scores and values."""
+    shapes = param_shapes(cfg)
+    matmul_params = sum(math.prod(s) for k, s in shapes["layers"].items() if "norm" not in k) + cfg.d_model * cfg.vocab_size
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.d_model * seq_len

@@ -1,0 +1,36 @@
+"""AdamW (optax) with linear warmup + cosine decay and clipping by the true global gradient norm.
+
+The optimizer runs outside shard_map on global (sharded) arrays, so `clip_by_global_norm` sees every
+shard of every gradient: the norm is the same whatever the layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxpar.config import TrainConfig
+
+
+def lr_schedule(train: TrainConfig) -> optax.Schedule:
+    warmup = min(train.warmup_steps, train.steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup > 0 else train.lr,
+        peak_value=train.lr,
+        warmup_steps=warmup,
+        decay_steps=max(train.steps, warmup + 1),
+        end_value=train.lr * train.min_lr_ratio,
+    )
+
+
+def decay_mask(params):
+    """Weight decay on matrices only: not on norm scales (Llama / Megatron practice)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    adamw = optax.adamw(lr_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
+                        weight_decay=train.weight_decay, mask=decay_mask)
+    if train.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw)
+    return adamw

@@ -1,0 +1,1 @@
+"""Parallel runtime: the sharded train step (data, tensor and, later, pipeline parallel) and ZeRO."""

@@ -1,0 +1,201 @@
+"""The sharded train step: Megatron tensor parallel + ZeRO data parallel, one jitted program.
+
+Design (docs/design.md has the longer story):
+- Loss and gradients run inside one `jax.shard_map` over the whole mesh with hand-written
+  collectives, so every byte that moves is one we asked for: 2 all-reduces over tp per layer
+  forward (row-parallel outputs) and 2 backward (input grads of column-parallel layers, inserted by
+  JAX's transpose of the implicit tp broadcast), vocab-parallel loss, and one gradient reduction
+  over dp: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2); ZeRO-3 gathers each layer's weights
+  just before use and its transpose reduce-scatters the gradients. In bf16 the gathers and
+  reductions move bf16.
+- The optimizer runs after the shard_map on global arrays whose shardings follow the ZeRO table in
+  jaxpar.sharding; XLA slices / all-gathers between the gradient, optimizer and parameter layouts.
+- Mixed precision as DeepSpeed: `params` are the compute-dtype copy (bf16), `master` the fp32
+  weights, both laid out per ZeRO stage; with fp32 there is no separate master.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.config import Config
+from jaxpar.layers.collectives import ZERO3_GATHERED, Collectives
+from jaxpar.models import llama
+from jaxpar.optim import lr_schedule, make_optimizer
+from jaxpar.sharding import DP, StateSpecs, zero_dim, is_axes_leaf
+
+BATCH_SPEC = P(DP, None)
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any  # compute dtype; ZeRO-3: dp-sharded
+    master: Any  # fp32 master weights when precision=bf16 (ZeRO >= 1: dp-sharded); None for fp32
+    opt_state: Any
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+class StepBuilder:
+    """Builds the abstract state, its shardings, the init function and the jitted train step."""
+
+    def __init__(self, config: Config, mesh):
+        self.config = config
+        self.mesh = mesh
+        self.stage = config.zero.stage
+        self.axes = llama.param_axes()
+        self.specs = StateSpecs(self.axes, self.stage, mesh)
+        self.tx = make_optimizer(config.train)
+        self.schedule = lr_schedule(config.train)
+        self.bf16 = config.precision == "bf16"
+        self.compute_dtype = jnp.bfloat16 if self.bf16 else jnp.float32
+        self.gathers_weights = self.stage >= 3 and mesh.shape[DP] > 1  # ZeRO-3 with something to gather
+
+    # ------------------------------------------------------------------ state layout
+    def _named(self, specs):
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+
+    def _opt_target_specs(self):
+        """The tree the optimizer updates: fp32 master (bf16) or the params themselves (fp32)."""
+        return self.specs.opt if self.bf16 else self.specs.params
+
+    def state_shardings(self) -> TrainState:
+        abstract_opt = jax.eval_shape(self.tx.init, self._abstract_params(jnp.float32))
+        opt_specs = optax.tree_map_params(self.tx, lambda _, spec: spec, abstract_opt, self.specs.opt,
+                                          transform_non_params=lambda _: P(), is_leaf=_is_spec)
+        return TrainState(
+            step=NamedSharding(self.mesh, P()),
+            params=self._named(self.specs.params),
+            master=self._named(self.specs.opt) if self.bf16 else None,
+            opt_state=self._named(opt_specs),
+        )
+
+    def _abstract_params(self, dtype):
+        shapes = llama.param_shapes(self.config.model)
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def _init(self, key) -> TrainState:
+        master = llama.init(self.config.model, key)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=jax.tree.map(lambda w: w.astype(self.compute_dtype), master),
+            master=master if self.bf16 else None,
+            opt_state=self.tx.init(master),
+        )
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs with shardings: drives the dry run without allocating anything."""
+        shapes = jax.eval_shape(self._init, jax.random.key(0))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings())
+
+    def init_state(self, seed: int) -> TrainState:
+        """Initialise directly into the sharded layout: nothing is materialised unsharded."""
+        init = jax.jit(self._init, out_shardings=self.state_shardings())
+        return init(jax.random.key(seed))
+
+    # ------------------------------------------------------------------ batches
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, BATCH_SPEC)
+
+    def abstract_batch(self) -> dict:
+        train = self.config.train
+        shape = (train.global_batch_size, train.seq_len)
+        sharding = self.batch_sharding()
+        return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
+                "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
+                "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)}
+
+    # ------------------------------------------------------------------ loss and gradients
+    def collectives(self) -> Collectives:
+        sizes = self.mesh.shape
+        return Collectives(tp_axis="tp" if sizes["tp"] > 1 else None,
+                           zero3_axis=DP if self.gathers_weights else None)
+
+    def remat_policy(self):
+        """ZeRO-3 must not keep the gathered weights for backward: re-gather them instead."""
+        if self.gathers_weights:
+            return jax.checkpoint_policies.save_anything_except_these_names(ZERO3_GATHERED)
+        return None
+
+    def _reduce_grads_over_dp(self, grads):
+        reduce_dtype = self.compute_dtype
+        if self.gathers_weights:  # already reduce-scattered by the transpose of the per-layer all-gather
+            return grads
+        if self.stage >= 2 and self.mesh.shape[DP] > 1:
+            def scatter(g, axes):
+                return jax.lax.psum_scatter(g.astype(reduce_dtype), DP, scatter_dimension=zero_dim(axes), tiled=True)
+            return jax.tree.map(scatter, grads, self.axes)
+        return jax.tree.map(lambda g: jax.lax.psum(g.astype(reduce_dtype), DP), grads)
+
+    def _local_loss_and_grads(self, params, batch):
+        """Per-device body of the shard_map: local microbatches, then one reduction over dp."""
+        cfg, accum = self.config.model, self.config.train.grad_accum
+        coll, policy = self.collectives(), self.remat_policy()
+        token_count = jax.lax.psum(jnp.sum(batch["mask"]), DP)
+        if not self.gathers_weights:  # local gradients per dp rank; reduced explicitly below
+            params = jax.lax.pcast(params, (DP,), to="varying")
+
+        def objective(p, micro):
+            loss, _ = llama.loss_sum(p, micro, cfg, coll, policy)
+            return loss / token_count
+
+        micro_batches = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
+        loss, grads = jax.value_and_grad(objective)(params, jax.tree.map(lambda x: x[0], micro_batches))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        if accum > 1:
+            def accumulate(carry, micro):
+                loss_i, grads_i = jax.value_and_grad(objective)(params, micro)
+                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss_i, grads_i)), None
+            rest = jax.tree.map(lambda x: x[1:], micro_batches)
+            (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), rest)
+        return jax.lax.psum(loss, DP), self._reduce_grads_over_dp(grads)
+
+    def loss_and_grads(self, params, batch):
+        """Global mean token loss and gradients (laid out as ZeRO's gradient specs)."""
+        fn = jax.shard_map(self._local_loss_and_grads, mesh=self.mesh,
+                           in_specs=(self.specs.params, BATCH_SPEC), out_specs=(P(), self.specs.grads))
+        return fn(params, batch)
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self, state: TrainState, batch: dict):
+        loss, grads = self.loss_and_grads(state.params, batch)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.grads))
+        grad_norm = optax.global_norm(grads)
+        target = state.master if self.bf16 else state.params
+        updates, opt_state = self.tx.update(grads, state.opt_state, target)
+        target = optax.apply_updates(target, updates)
+        if self.bf16:
+            master = jax.lax.with_sharding_constraint(target, self._named(self.specs.opt))
+            params = jax.tree.map(lambda w: w.astype(self.compute_dtype), master)
+        else:
+            master, params = None, target
+        params = jax.lax.with_sharding_constraint(params, self._named(self.specs.params))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.schedule(state.step)}
+        new_state = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state)
+        return new_state, metrics
+
+    def jit_train_step(self):
+        state_sh = self.state_shardings()
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(self.train_step,
+                       in_shardings=(state_sh, self.batch_sharding()),
+                       out_shardings=(state_sh, {"loss": replicated, "grad_norm": replicated,
+                                                 "learning_rate": replicated}),
+                       donate_argnums=(0,))
+
+    def jit_loss_and_grads(self):
+        return jax.jit(self.loss_and_grads,
+                       in_shardings=(self._named(self.specs.params), self.batch_sharding()),
+                       out_shardings=(NamedSharding(self.mesh, P()), self._named(self.specs.grads)))
