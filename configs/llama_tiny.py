@@ -11,6 +11,6 @@ def get_config():
     c.mesh = dict(dp=2, pp=1, tp=4)
     c.zero = dict(stage=1)
     c.precision = "fp32"
-    c.train = dict(steps=40, global_batch_size=16, seq_len=64, seed=0, lr=3e-3, warmup_steps=5, weight_decay=0.0)
+    c.train = dict(steps=150, global_batch_size=16, seq_len=64, seed=0, lr=3e-3, warmup_steps=5, weight_decay=0.0)
     c.model = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=256)
     return c

@@ -71,6 +71,16 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RematConfig:
+    """Activation checkpointing per layer: `none` keeps everything, `full` keeps only each layer's input."""
+
+    policy: str = "none"
+
+
+REMAT_POLICIES = ("none", "full")
+
+
+@dataclasses.dataclass(frozen=True)
 class HardwareConfig:
     """Peak dense bf16 FLOP/s for MFU; `peak_tflops` overrides the table in jaxpar.metrics."""
 
@@ -84,6 +94,7 @@ class Config:
     precision: str = "fp32"  # fp32 | bf16 (fp32 master + optimizer state, bf16 compute and grad collectives)
     train: TrainConfig = TrainConfig()
     model: ModelConfig = ModelConfig()
+    remat: RematConfig = RematConfig()
     hardware: HardwareConfig = HardwareConfig()
 
 
@@ -211,6 +222,8 @@ def validate(config: Config) -> None:
     for axis in ("dp", "pp", "tp"):
         _require(getattr(mesh, axis) >= 1, f"mesh.{axis}={getattr(mesh, axis)} must be >= 1")
     _require(config.zero.stage in (0, 1, 2, 3), f"zero.stage={config.zero.stage} is out of range; use 0, 1, 2 or 3")
+    _require(config.remat.policy in REMAT_POLICIES,
+             f"remat.policy='{config.remat.policy}' is unknown; use one of {', '.join(REMAT_POLICIES)}")
     _require(config.precision in ("fp32", "bf16"), f"precision='{config.precision}' is unknown; use fp32 or bf16")
     _require(model.d_model % model.n_heads == 0,
              f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}")

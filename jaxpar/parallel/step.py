@@ -31,8 +31,6 @@ from jaxpar.models import llama
 from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.sharding import DP, StateSpecs, zero_dim, is_axes_leaf
 
-BATCH_SPEC = P(DP, None)
-
 
 @flax.struct.dataclass
 class TrainState:
@@ -59,7 +57,9 @@ class StepBuilder:
         self.schedule = lr_schedule(config.train)
         self.bf16 = config.precision == "bf16"
         self.compute_dtype = jnp.bfloat16 if self.bf16 else jnp.float32
-        self.gathers_weights = self.stage >= 3 and mesh.shape[DP] > 1  # ZeRO-3 with something to gather
+        self.dp_axis = DP if mesh.shape[DP] > 1 else None  # no dp collectives at all when dp == 1
+        self.gathers_weights = self.stage >= 3 and self.dp_axis is not None  # ZeRO-3 with something to gather
+        self.batch_spec = P(self.dp_axis, None)  # [batch, seq]: batch over dp
 
     # ------------------------------------------------------------------ state layout
     def _named(self, specs):
@@ -106,7 +106,7 @@ class StepBuilder:
 
     # ------------------------------------------------------------------ batches
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, BATCH_SPEC)
+        return NamedSharding(self.mesh, self.batch_spec)
 
     def abstract_batch(self) -> dict:
         train = self.config.train
@@ -123,16 +123,18 @@ class StepBuilder:
                            zero3_axis=DP if self.gathers_weights else None)
 
     def remat_policy(self):
-        """ZeRO-3 must not keep the gathered weights for backward: re-gather them instead."""
+        """The per-layer jax.checkpoint policy; ZeRO-3 never keeps gathered weights for backward."""
+        if self.config.remat.policy == "full":
+            return jax.checkpoint_policies.nothing_saveable
         if self.gathers_weights:
             return jax.checkpoint_policies.save_anything_except_these_names(ZERO3_GATHERED)
         return None
 
     def _reduce_grads_over_dp(self, grads):
         reduce_dtype = self.compute_dtype
-        if self.gathers_weights:  # already reduce-scattered by the transpose of the per-layer all-gather
+        if self.dp_axis is None or self.gathers_weights:  # already reduce-scattered by the transpose of the per-layer all-gather
             return grads
-        if self.stage >= 2 and self.mesh.shape[DP] > 1:
+        if self.stage >= 2:
             def scatter(g, axes):
                 return jax.lax.psum_scatter(g.astype(reduce_dtype), DP, scatter_dimension=zero_dim(axes), tiled=True)
             return jax.tree.map(scatter, grads, self.axes)
@@ -142,8 +144,8 @@ class StepBuilder:
         """Per-device body of the shard_map: local microbatches, then one reduction over dp."""
         cfg, accum = self.config.model, self.config.train.grad_accum
         coll, policy = self.collectives(), self.remat_policy()
-        token_count = jax.lax.psum(jnp.sum(batch["mask"]), DP)
-        if not self.gathers_weights:  # local gradients per dp rank; reduced explicitly below
+        token_count = self._dp_sum(jnp.sum(batch["mask"]))
+        if self.dp_axis and not self.gathers_weights:  # local gradients per dp rank; reduced explicitly below
             params = jax.lax.pcast(params, (DP,), to="varying")
 
         def objective(p, micro):
@@ -159,12 +161,15 @@ class StepBuilder:
                 return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss_i, grads_i)), None
             rest = jax.tree.map(lambda x: x[1:], micro_batches)
             (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), rest)
-        return jax.lax.psum(loss, DP), self._reduce_grads_over_dp(grads)
+        return self._dp_sum(loss), self._reduce_grads_over_dp(grads)
+
+    def _dp_sum(self, x):
+        return jax.lax.psum(x, DP) if self.dp_axis else x
 
     def loss_and_grads(self, params, batch):
         """Global mean token loss and gradients (laid out as ZeRO's gradient specs)."""
         fn = jax.shard_map(self._local_loss_and_grads, mesh=self.mesh,
-                           in_specs=(self.specs.params, BATCH_SPEC), out_specs=(P(), self.specs.grads))
+                           in_specs=(self.specs.params, self.batch_spec), out_specs=(P(), self.specs.grads))
         return fn(params, batch)
 
     # ------------------------------------------------------------------ the step

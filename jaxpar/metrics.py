@@ -1,0 +1,58 @@
+"""Step metrics: MFU, metrics.jsonl, TensorBoard events and the console progress line.
+
+MFU = model FLOPs per second / (devices x peak dense bf16 FLOP/s). Model FLOPs are analytic
+(jaxpar.models.llama.flops_per_token): XLA's cost analysis counts a scan body once, so it cannot be used.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+
+PEAK_BF16_TFLOPS = {"a100": 312.0, "h100": 989.0, "h200": 989.0}
+
+
+def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
+    """Peak dense bf16 FLOP/s of one device; None when unknown (e.g. CPU) and not configured."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    kind = jax.devices()[0].device_kind.lower()
+    for name, tflops in PEAK_BF16_TFLOPS.items():
+        if name in kind:
+            return tflops * 1e12
+    return None
+
+
+def mfu(flops_per_step: float, step_time_s: float, n_devices: int, peak_per_device: float | None) -> float | None:
+    if peak_per_device is None or step_time_s <= 0:
+        return None
+    return flops_per_step / step_time_s / (n_devices * peak_per_device)
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to WORKDIR/metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, workdir: pathlib.Path, enabled: bool = True):
+        self.enabled = enabled
+        self.path = workdir / "metrics.jsonl"
+        self._tb = None
+        if enabled:
+            workdir.mkdir(parents=True, exist_ok=True)
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(workdir / "tb"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

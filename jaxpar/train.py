@@ -1,0 +1,82 @@
+"""CLI entry point: flags -> config -> devices -> train or dry run.
+
+    python -m jaxpar.train --config llama_tiny.py [--config.mesh.tp=4 ...] [--workdir DIR] [--dry_run]
+
+A config mistake prints one line naming the key and the fix and exits 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+from jaxpar.errors import ConfigError
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m jaxpar.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="configs/NAME.py, a bare NAME, or a path")
+    parser.add_argument("--workdir", default=None, help="where metrics.jsonl, tb/ and dry_run.json go")
+    parser.add_argument("--dry_run", action="store_true", help="compile the real step, report memory and comms")
+    parser.add_argument("--coordinator_address", default=None, help="multi-host: host:port of process 0")
+    parser.add_argument("--num_processes", type=int, default=None)
+    parser.add_argument("--process_id", type=int, default=None)
+    args, rest = parser.parse_known_args(argv)
+    overrides = []
+    for item in rest:
+        if not item.startswith("--config."):
+            raise ConfigError(f"unknown argument '{item}'; config keys are set as --config.KEY=VALUE")
+        overrides.append(item[len("--config."):])
+    return args, overrides
+
+
+def ensure_writable(workdir: pathlib.Path) -> None:
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--workdir {workdir} cannot be created ({err.strerror}); pass a writable directory") from None
+    if not os.access(workdir, os.W_OK):
+        raise ConfigError(f"--workdir {workdir} is not writable; pass a writable directory")
+
+
+def run(argv: list[str]) -> int:
+    from jaxpar.config import load_config, to_dict
+    from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
+
+    args, overrides = parse_args(argv)
+    config = load_config(args.config, overrides)
+    layout = Layout.from_config(config.mesh)
+    emulate_cpu_devices(layout.size)  # before JAX touches a backend
+    maybe_initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    mesh = layout.make_mesh(devices_for(layout, args.dry_run))
+    workdir = pathlib.Path(args.workdir or f"runs/{pathlib.Path(args.config).stem}")
+    ensure_writable(workdir)
+    (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+    if args.dry_run:
+        from jaxpar.dry_run import dry_run, format_report, write_report
+
+        report = dry_run(config, mesh)
+        print(format_report(report))
+        print(f"wrote {write_report(report, workdir)}")
+        return 0
+    from jaxpar.loop import train
+
+    records = train(config, mesh, workdir)
+    last = records[-1]
+    print(f"done: {last['step']} steps, final loss {last['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        print(f"jaxpar: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
