@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import pathlib
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import ConfigError
@@ -121,7 +122,13 @@ def load_config_dict(name: str) -> dict:
     if not hasattr(module, "get_config"):
         raise ConfigError(f"{path} defines no get_config(); a config file must return its settings from get_config()")
     raw = module.get_config()
-    return raw.to_dict() if hasattr(raw, "to_dict") else dict(raw)
+    if hasattr(raw, "to_dict"):
+        raw = raw.to_dict()
+    elif isinstance(raw, Mapping):
+        raw = dict(raw)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: get_config() returned {type(raw).__name__}; return a dict or ConfigDict")
+    return raw
 
 
 def load_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -140,10 +147,17 @@ def load_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
 def set_by_path(tree: dict, dotted_key: str, text: str) -> None:
     """Set `a.b.c` in a nested dict, parsing `text` by the schema's type for that key."""
     field_type = schema_type(Config, dotted_key.split("."), dotted_key)
+    if dataclasses.is_dataclass(field_type):
+        keys = ", ".join(f.name for f in dataclasses.fields(field_type))
+        raise ConfigError(f"--config.{dotted_key} is a group, not a value; set one of its keys ({keys}) "
+                          f"as --config.{dotted_key}.KEY=VALUE")
     *parents, leaf = dotted_key.split(".")
     node = tree
-    for part in parents:
+    for depth, part in enumerate(parents):
         node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            group = ".".join(parents[: depth + 1])
+            raise ConfigError(f"config key '{group}' must be a group of keys in the config file, got {node!r}")
     node[leaf] = parse_value(text, field_type, dotted_key)
 
 
@@ -172,7 +186,7 @@ def parse_value(text: str, field_type: type, key: str) -> Any:
             return float(text)
         return text
     except ValueError:
-        raise ConfigError(f"--config.{key}={text}: expected a {field_type.__name__}") from None
+        raise ConfigError(f"--config.{key}={text}: expected {_a_type(field_type)}") from None
 
 
 def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
@@ -198,10 +212,18 @@ def coerce(value: Any, field_type: type, key: str) -> Any:
     if field_type is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if field_type in (int, float, str, bool) and not isinstance(value, field_type):
-        raise ConfigError(f"config key '{key}' must be a {field_type.__name__}, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be {_a_type(field_type)}, got {value!r}")
     if field_type is int and isinstance(value, bool):
         raise ConfigError(f"config key '{key}' must be an int, got {value!r}")
     return value
+
+
+def _a_type(field_type: type) -> str:
+    """'an int', 'a float', 'a str', 'a bool' (and true/false spelled out for bools)."""
+    if field_type is bool:
+        return "a bool (true or false)"
+    name = getattr(field_type, "__name__", str(field_type))
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
 
 
 def to_dict(config: Any) -> dict:
@@ -218,17 +240,41 @@ def _require(ok: bool, message: str) -> None:
 
 def validate(config: Config) -> None:
     """Every impossible layout fails here, before any compilation, with the key and the fix."""
-    mesh, model, train = config.mesh, config.model, config.train
+    _validate_ranges(config)
+    _validate_layout(config)
+
+
+def _validate_ranges(config: Config) -> None:
+    """Values out of range on their own; checked first so the layout checks never divide by zero."""
     for axis in ("dp", "pp", "tp"):
-        _require(getattr(mesh, axis) >= 1, f"mesh.{axis}={getattr(mesh, axis)} must be >= 1")
+        value = getattr(config.mesh, axis)
+        _require(value >= 1, f"mesh.{axis}={value} must be >= 1")
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+        value = getattr(config.model, key)
+        _require(value >= 1, f"model.{key}={value} must be >= 1")
+    train = config.train
+    for key in ("steps", "global_batch_size", "grad_accum", "log_every"):
+        value = getattr(train, key)
+        _require(value >= 1, f"train.{key}={value} must be >= 1")
+    _require(train.seq_len >= 2, f"train.seq_len={train.seq_len} must be >= 2")
+    _require(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps} must be >= 0")
     _require(config.zero.stage in (0, 1, 2, 3), f"zero.stage={config.zero.stage} is out of range; use 0, 1, 2 or 3")
     _require(config.remat.policy in REMAT_POLICIES,
              f"remat.policy='{config.remat.policy}' is unknown; use one of {', '.join(REMAT_POLICIES)}")
     _require(config.precision in ("fp32", "bf16"), f"precision='{config.precision}' is unknown; use fp32 or bf16")
+
+
+def _validate_layout(config: Config) -> None:
+    mesh, model, train = config.mesh, config.model, config.train
     _require(model.d_model % model.n_heads == 0,
-             f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}")
+             f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}; "
+             f"make model.d_model a multiple of model.n_heads")
+    _require(model.head_dim % 2 == 0,
+             f"model.d_model / model.n_heads = {model.head_dim} is odd; rotary embeddings need an even head_dim, "
+             f"so make model.d_model a multiple of 2 x model.n_heads = {2 * model.n_heads}")
     _require(model.n_heads % model.n_kv_heads == 0,
-             f"model.n_heads={model.n_heads} is not a multiple of model.n_kv_heads={model.n_kv_heads}")
+             f"model.n_heads={model.n_heads} is not a multiple of model.n_kv_heads={model.n_kv_heads}; "
+             f"use a model.n_kv_heads that divides model.n_heads")
     tp = mesh.tp
     for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         value = getattr(model, key)
@@ -244,7 +290,4 @@ def validate(config: Config) -> None:
         _require(model.d_model % mesh.dp == 0,
                  f"zero.stage={config.zero.stage} shards states over dp on the d_model dim, but mesh.dp={mesh.dp} "
                  f"does not divide model.d_model={model.d_model}; pick a dp that divides it or zero.stage=0")
-    _require(train.steps >= 1, f"train.steps={train.steps} must be >= 1")
-    _require(train.seq_len >= 2, f"train.seq_len={train.seq_len} must be >= 2")
-    _require(train.grad_accum >= 1, f"train.grad_accum={train.grad_accum} must be >= 1")
     _require(mesh.pp == 1, f"mesh.pp={mesh.pp}: pipeline parallelism is not available yet (issue 3); use mesh.pp=1")

@@ -50,9 +50,10 @@ class Layout:
         if devices is None:
             devices = jax.devices()
         if len(devices) < self.size:
+            platform = f"{devices[0].platform.upper()} " if len(devices) else ""
             raise ConfigError(
                 f"mesh dp x pp x tp = {self.dp} x {self.pp} x {self.tp} = {self.size} needs {self.size} devices "
-                f"but {len(devices)} {devices[0].platform.upper()} devices are visible; shrink mesh.dp/pp/tp "
+                f"but {len(devices)} {platform}devices are visible; shrink mesh.dp/pp/tp "
                 f"or use --dry_run to compile on emulated devices")
         grid = np.asarray(devices[: self.size], dtype=object).reshape(self.shape)
         return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -40,6 +40,7 @@ class MetricsWriter:
         self._tb = None
         if enabled:
             workdir.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")  # a fresh run starts a fresh log (resume, issue 6, will continue it)
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(workdir / "tb"))

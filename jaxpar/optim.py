@@ -13,14 +13,16 @@ from jaxpar.config import TrainConfig
 
 
 def lr_schedule(train: TrainConfig) -> optax.Schedule:
+    """Learning rate of optimizer step count+1: warmup reaches lr at step `warmup_steps`, never 0 at step 1."""
     warmup = min(train.warmup_steps, train.steps)
-    return optax.warmup_cosine_decay_schedule(
+    schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0 if warmup > 0 else train.lr,
         peak_value=train.lr,
         warmup_steps=warmup,
         decay_steps=max(train.steps, warmup + 1),
         end_value=train.lr * train.min_lr_ratio,
     )
+    return lambda count: schedule(count + 1)
 
 
 def decay_mask(params):

@@ -16,8 +16,16 @@ import sys
 from jaxpar.errors import ConfigError
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one ConfigError line (no usage block), like every other mistake."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}; usage: {self.prog} --config NAME_OR_PATH [--config.KEY=VALUE ...] "
+                          f"[--workdir DIR] [--dry_run]")
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m jaxpar.train", description=__doc__.splitlines()[0])
+    parser = _ArgumentParser(prog="python -m jaxpar.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="configs/NAME.py, a bare NAME, or a path")
     parser.add_argument("--workdir", default=None, help="where metrics.jsonl, tb/ and dry_run.json go")
     parser.add_argument("--dry_run", action="store_true", help="compile the real step, report memory and comms")
@@ -29,6 +37,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for item in rest:
         if not item.startswith("--config."):
             raise ConfigError(f"unknown argument '{item}'; config keys are set as --config.KEY=VALUE")
+        if "=" not in item:
+            raise ConfigError(f"'{item}' has no value; write {item}=VALUE (one argument, with '=')")
         overrides.append(item[len("--config."):])
     return args, overrides
 
@@ -44,16 +54,19 @@ def ensure_writable(workdir: pathlib.Path) -> None:
 
 def run(argv: list[str]) -> int:
     from jaxpar.config import load_config, to_dict
-    from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
 
+    # Flags, config and workdir are checked before JAX is even imported: a mistake costs no start-up time.
     args, overrides = parse_args(argv)
     config = load_config(args.config, overrides)
+    workdir = pathlib.Path(args.workdir or f"runs/{pathlib.Path(args.config).stem}")
+    ensure_writable(workdir)
+
+    from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
+
     layout = Layout.from_config(config.mesh)
     emulate_cpu_devices(layout.size)  # before JAX touches a backend
     maybe_initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     mesh = layout.make_mesh(devices_for(layout, args.dry_run))
-    workdir = pathlib.Path(args.workdir or f"runs/{pathlib.Path(args.config).stem}")
-    ensure_writable(workdir)
     (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
     if args.dry_run:
         from jaxpar.dry_run import dry_run, format_report, write_report
@@ -74,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except ConfigError as err:
-        print(f"jaxpar: error: {err}", file=sys.stderr)
+        message = " ".join(str(err).splitlines())  # always exactly one line
+        print(f"jaxpar: error: {message}", file=sys.stderr)
         return 2
 
 

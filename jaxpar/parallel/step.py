@@ -173,11 +173,12 @@ class StepBuilder:
         return fn(params, batch)
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, state: TrainState, batch: dict):
+    def train_step(self, state: TrainState, batch: dict, with_grads: bool = False):
+        """One optimizer step; `with_grads` also returns the gradients (for the equivalence tests)."""
         loss, grads = self.loss_and_grads(state.params, batch)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.grads))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         target = state.master if self.bf16 else state.params
         updates, opt_state = self.tx.update(grads, state.opt_state, target)
         target = optax.apply_updates(target, updates)
@@ -189,16 +190,19 @@ class StepBuilder:
         params = jax.lax.with_sharding_constraint(params, self._named(self.specs.params))
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.schedule(state.step)}
         new_state = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state)
+        if with_grads:
+            metrics["grads"] = grads
         return new_state, metrics
 
-    def jit_train_step(self):
+    def jit_train_step(self, with_grads: bool = False):
         state_sh = self.state_shardings()
         replicated = NamedSharding(self.mesh, P())
-        return jax.jit(self.train_step,
+        metrics_sh = {"loss": replicated, "grad_norm": replicated, "learning_rate": replicated}
+        if with_grads:
+            metrics_sh["grads"] = self._named(self.specs.grads)
+        return jax.jit(functools.partial(self.train_step, with_grads=with_grads),
                        in_shardings=(state_sh, self.batch_sharding()),
-                       out_shardings=(state_sh, {"loss": replicated, "grad_norm": replicated,
-                                                 "learning_rate": replicated}),
-                       donate_argnums=(0,))
+                       out_shardings=(state_sh, metrics_sh), donate_argnums=(0,))
 
     def jit_loss_and_grads(self):
         return jax.jit(self.loss_and_grads,

@@ -1,0 +1,41 @@
+"""Every test runs on 8 emulated CPU devices (set before JAX's first backend use)."""
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import dataclasses  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxpar.config import Config, MeshConfig, ModelConfig, TrainConfig, ZeroConfig, validate  # noqa: E402
+from jaxpar.mesh import Layout  # noqa: E402
+from jaxpar.parallel.step import StepBuilder  # noqa: E402
+
+# Small but with every dim divisible by 8, so any (dp, tp) in the tests is a valid layout.
+TINY_MODEL = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=128)
+
+
+def make_config(dp=1, pp=1, tp=1, stage=0, precision="fp32", model=TINY_MODEL, **train) -> Config:
+    train_cfg = dict(steps=3, global_batch_size=16, seq_len=16, lr=1e-3, warmup_steps=0, seed=0)
+    train_cfg.update(train)
+    config = Config(mesh=MeshConfig(dp=dp, pp=pp, tp=tp), zero=ZeroConfig(stage=stage), precision=precision,
+                    train=TrainConfig(**train_cfg), model=model)
+    validate(config)
+    return config
+
+
+def builder_for(config: Config) -> StepBuilder:
+    mesh = Layout.from_config(config.mesh).make_mesh()
+    return StepBuilder(config, mesh)
+
+
+def replace(config: Config, **groups) -> Config:
+    """Return `config` with whole groups replaced, e.g. replace(c, zero=ZeroConfig(stage=2))."""
+    return dataclasses.replace(config, **groups)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
