@@ -79,6 +79,15 @@ class RematConfig:
 
 
 REMAT_POLICIES = ("none", "full")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism over mesh.pp: schedule `1f1b` (default) or `gpipe`, m microbatches per step."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +105,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     model: ModelConfig = ModelConfig()
     remat: RematConfig = RematConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     hardware: HardwareConfig = HardwareConfig()
 
 
@@ -282,12 +292,39 @@ def _validate_layout(config: Config) -> None:
                                   f"choose a tp that divides {value} (tensor parallel splits it over tp)")
     _require(model.n_layers % mesh.pp == 0,
              f"mesh.pp={mesh.pp} does not divide model.n_layers={model.n_layers}; use a pp that divides it")
-    per_step = mesh.dp * train.grad_accum
+    _validate_pipeline(config)
+    splits = ("mesh.dp x pipeline.microbatches", config.pipeline.microbatches) if mesh.pp > 1 else \
+        ("mesh.dp x train.grad_accum", train.grad_accum)
+    per_step = mesh.dp * splits[1]
     _require(train.global_batch_size % per_step == 0,
-             f"train.global_batch_size={train.global_batch_size} is not divisible by mesh.dp x train.grad_accum "
-             f"= {mesh.dp} x {train.grad_accum}; use a multiple of {per_step}")
+             f"train.global_batch_size={train.global_batch_size} is not divisible by {splits[0]} "
+             f"= {mesh.dp} x {splits[1]}; use a multiple of {per_step}")
     if config.zero.stage >= 1:
         _require(model.d_model % mesh.dp == 0,
                  f"zero.stage={config.zero.stage} shards states over dp on the d_model dim, but mesh.dp={mesh.dp} "
                  f"does not divide model.d_model={model.d_model}; pick a dp that divides it or zero.stage=0")
-    _require(mesh.pp == 1, f"mesh.pp={mesh.pp}: pipeline parallelism is not available yet (issue 3); use mesh.pp=1")
+
+
+def _validate_pipeline(config: Config) -> None:
+    pipe, mesh = config.pipeline, config.mesh
+    _require(pipe.schedule in PIPELINE_SCHEDULES,
+             f"pipeline.schedule='{pipe.schedule}' is unknown; use one of {', '.join(PIPELINE_SCHEDULES)}")
+    _require(pipe.microbatches >= 1, f"pipeline.microbatches={pipe.microbatches} must be >= 1")
+    if mesh.pp == 1:
+        _require(pipe.microbatches == 1, f"pipeline.microbatches={pipe.microbatches} needs mesh.pp > 1; "
+                                         f"without a pipeline use train.grad_accum for gradient accumulation")
+        return
+    _require(config.train.grad_accum == 1, f"train.grad_accum={config.train.grad_accum} with mesh.pp={mesh.pp}: "
+                                           f"the pipeline's microbatches accumulate gradients; set "
+                                           f"pipeline.microbatches instead and train.grad_accum=1")
+    _require(config.zero.stage <= 2, f"zero.stage=3 with mesh.pp={mesh.pp} is refused (as in DeepSpeed): "
+                                     f"use zero.stage 0, 1 or 2 with pipeline parallelism")
+
+
+def pipeline_warning(config: Config) -> str | None:
+    """m < p is allowed but wasteful: say how much of the step is bubble."""
+    p, m = config.mesh.pp, config.pipeline.microbatches
+    if p > 1 and m < p:
+        return (f"warning: pipeline.microbatches={m} < mesh.pp={p}: bubble fraction (p-1)/(m+p-1) = "
+                f"{(p - 1) / (m + p - 1):.0%}; use m >= 4p to keep it under 20%")
+    return None

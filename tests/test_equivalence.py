@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import builder_for, make_config
+from conftest import TINY_MODEL, builder_for, make_config
 from jaxpar.data.synthetic import synthetic_batch
 
 STEPS = 3
@@ -25,9 +25,9 @@ def batches(config):
 
 
 @functools.lru_cache(maxsize=None)
-def initial_state_on_host():
+def initial_state_on_host(model=TINY_MODEL):
     """The single-device initial state; layouts start from it (test_sharded_init checks the sharded init)."""
-    config = make_config()
+    config = make_config(model=model)
     return jax.device_get(builder_for(config).init_state(config.train.seed))
 
 
@@ -35,7 +35,7 @@ def run(config):
     """STEPS train steps; returns (gradients of the first step, losses, final state)."""
     builder = builder_for(config)
     if config.precision == "fp32":
-        state = jax.device_put(initial_state_on_host(), builder.state_shardings())
+        state = jax.device_put(initial_state_on_host(config.model), builder.state_shardings())
     else:  # bf16 state has a different structure (bf16 params + fp32 master)
         state = builder.init_state(config.train.seed)
     data = [jax.device_put(b, builder.batch_sharding()) for b in batches(config)]

@@ -112,15 +112,21 @@ def head_logits(params: dict, x_BxSxD: jax.Array, cfg: ModelConfig, coll: Collec
     return jnp.einsum("bsd,dv->bsv", x_BxSxD, head["lm_head"], preferred_element_type=jnp.float32)
 
 
+def head_loss_sum(params: dict, x_BxSxD: jax.Array, targets_BxS: jax.Array, mask_BxS: jax.Array,
+                  cfg: ModelConfig, coll: Collectives) -> jax.Array:
+    """Final norm, LM head and the masked sum of token cross-entropies (the last pipeline stage's job)."""
+    logits_BxSxV = head_logits(params, x_BxSxD, cfg, coll)
+    token_loss_BxS = vocab_parallel.cross_entropy(logits_BxSxV, targets_BxS, coll)
+    return jnp.sum(token_loss_BxS * mask_BxS.astype(jnp.float32))
+
+
 def loss_sum(params: dict, batch: dict, cfg: ModelConfig, coll: Collectives = Collectives(),
              remat_policy: Callable | None = None) -> tuple[jax.Array, Any]:
     """Sum over (masked) tokens of the next-token cross-entropy, and the token count."""
     x_BxSxD = embed_tokens(params, batch["inputs"], coll)
     x_BxSxD = run_layers(x_BxSxD, params["layers"], cfg, coll, remat_policy)
-    logits_BxSxV = head_logits(params, x_BxSxD, cfg, coll)
-    token_loss_BxS = vocab_parallel.cross_entropy(logits_BxSxV, batch["targets"], coll)
-    mask_BxS = batch["mask"].astype(jnp.float32)
-    return jnp.sum(token_loss_BxS * mask_BxS), jnp.sum(mask_BxS)
+    total = head_loss_sum(params, x_BxSxD, batch["targets"], batch["mask"], cfg, coll)
+    return total, jnp.sum(batch["mask"].astype(jnp.float32))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

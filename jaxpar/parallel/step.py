@@ -29,6 +29,8 @@ from jaxpar.config import Config
 from jaxpar.layers.collectives import ZERO3_GATHERED, Collectives
 from jaxpar.models import llama
 from jaxpar.optim import lr_schedule, make_optimizer
+from jaxpar.parallel import schedule as pipeline_schedule
+from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import DP, StateSpecs, zero_dim, is_axes_leaf
 
 
@@ -148,6 +150,10 @@ class StepBuilder:
         if self.dp_axis and not self.gathers_weights:  # local gradients per dp rank; reduced explicitly below
             params = jax.lax.pcast(params, (DP,), to="varying")
 
+        if self.mesh.shape["pp"] > 1:
+            loss, grads = self._pipeline(coll, policy).loss_and_grads(params, batch, token_count)
+            return self._dp_sum(loss), self._reduce_grads_over_dp(grads)
+
         def objective(p, micro):
             loss, _ = llama.loss_sum(p, micro, cfg, coll, policy)
             return loss / token_count
@@ -162,6 +168,12 @@ class StepBuilder:
             rest = jax.tree.map(lambda x: x[1:], micro_batches)
             (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), rest)
         return self._dp_sum(loss), self._reduce_grads_over_dp(grads)
+
+    def _pipeline(self, coll, policy) -> Pipeline:
+        pipe = self.config.pipeline
+        table = pipeline_schedule.build(pipe.schedule, self.mesh.shape["pp"], pipe.microbatches)
+        varying = ("pp",) + ((DP,) if self.dp_axis else ())
+        return Pipeline(table, self.config.model, coll, policy, varying)
 
     def _dp_sum(self, x):
         return jax.lax.psum(x, DP) if self.dp_axis else x

@@ -1,0 +1,187 @@
+"""SPMD pipeline parallelism over the `pp` mesh axis: 1F1B and GPipe, inside the train step's shard_map.
+
+Every device runs the same program; a device's stage is `axis_index("pp")` and its slice of the
+stacked layer weights is its stage's layers. A static schedule table (jaxpar.parallel.schedule) is
+fed to `lax.scan` tick by tick; each device reads its own column. Work a stage does not own in a tick
+is masked, never skipped: on CPU a collective inside a per-device `lax.cond` deadlocks, and on GPUs
+divergent collectives hang NCCL the same way, so every device issues the same collectives
+(tp all-reduces inside the stage, the pp ppermutes) in the same order every tick.
+
+1F1B keeps the stage input of each microbatch in flight in a ring buffer of 2p-1 slots and, at its
+backward tick, re-runs the stage forward under `jax.vjp` (stage-level recomputation, as Megatron's
+full recompute). Memory is O(p) microbatches whatever m is; the price is one extra stage forward per
+microbatch. GPipe differentiates a forward scan over ticks, keeping every tick's residuals: O(m).
+
+The embedding (stage 0) and the head + loss (last stage) are computed, masked, on every stage; their
+weights are replicated over pp and their gradients summed over pp once at the end.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config import ModelConfig
+from jaxpar.layers.collectives import Collectives
+from jaxpar.models import llama
+from jaxpar.parallel.schedule import Schedule
+
+PP = "pp"
+HEAD_KEYS = ("final_norm", "lm_head")
+
+
+class Pipeline:
+    """Loss and local gradients of one dp shard's batch, pipelined over pp (call inside shard_map)."""
+
+    def __init__(self, schedule: Schedule, cfg: ModelConfig, coll: Collectives, remat_policy: Callable | None,
+                 varying_axes: tuple[str, ...]):
+        self.schedule, self.cfg, self.coll, self.policy = schedule, cfg, coll, remat_policy
+        self.p, self.m = schedule.stages, schedule.microbatches
+        self.varying = varying_axes  # the manual axes activations vary over (pp, and dp when dp > 1)
+        self.slots = 2 * self.p - 1  # 1F1B ring buffer: stage 0 holds 2(p-1)+1 microbatches at most
+        self.send_next = [(s, s + 1) for s in range(self.p - 1)]
+        self.send_prev = [(s + 1, s) for s in range(self.p - 1)]
+
+    # --------------------------------------------------------------- pieces
+    def _stage(self, layers, x_BxSxD):
+        return llama.run_layers(x_BxSxD, layers, self.cfg, self.coll, self.policy)
+
+    def _embed(self, table, ids_BxS):
+        return llama.embed_tokens({"embed": table}, ids_BxS, self.coll)
+
+    def _head_loss(self, head, x_BxSxD, targets_BxS, mask_BxS, token_count):
+        return llama.head_loss_sum(head, x_BxSxD, targets_BxS, mask_BxS, self.cfg, self.coll) / token_count
+
+    def _varying(self, tree, axes: tuple[str, ...] | None = None):
+        """Type values as differing per device over `axes` (default: all the pipeline's manual axes)."""
+        return jax.tree.map(lambda x: jax.lax.pcast(x, axes or self.varying, to="varying"), tree)
+
+    def _stage_varying(self, params):
+        """Embedding and head weights are replicated over pp; each stage accumulates its own gradients."""
+        return self._varying(params["embed"], (PP,)), self._varying({k: params[k] for k in HEAD_KEYS}, (PP,))
+
+    @staticmethod
+    def _zeros_f32(tree):
+        """fp32 gradient accumulators (microbatch gradients are summed in fp32 whatever the compute dtype)."""
+        return jax.tree.map(lambda x: jnp.zeros_like(x, dtype=jnp.float32), tree)
+
+    @staticmethod
+    def _add(acc, grads):
+        return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+
+    @staticmethod
+    def _micro(batch, m):
+        return jax.tree.map(lambda x: x.reshape(m, -1, *x.shape[1:]), batch)
+
+    # --------------------------------------------------------------- 1F1B
+    def one_f_one_b(self, params, batch, token_count):
+        """Returns (loss, grads) for this device: grads of its stage's layers, embed/head summed over pp."""
+        stage = jax.lax.axis_index(PP)
+        is_first, is_last = stage == 0, stage == self.p - 1
+        micro = self._micro(batch, self.m)
+        layers = params["layers"]
+        embed, head = self._stage_varying(params)
+        act_shape = micro["inputs"].shape[1:] + (self.cfg.d_model,)
+        act_dtype = embed.dtype
+
+        def forward(carry, mb):
+            """Forward slot: run microbatch `mb` (or masked garbage) and stash its stage input."""
+            valid, index = mb >= 0, jnp.maximum(mb, 0)
+            x_in = jnp.where(is_first, self._embed(embed, micro["inputs"][index]), carry["recv_fwd"])
+            y = self._stage(layers, x_in)
+            slot = index % self.slots
+            kept = jnp.where(valid, x_in, carry["stash"][slot])
+            return y, {**carry, "stash": jax.lax.dynamic_update_index_in_dim(carry["stash"], kept, slot, 0)}
+
+        def backward(carry, mb, dy_last):
+            """Backward slot: recompute the stage under vjp from the stashed input, push dx upstream."""
+            valid, index = mb >= 0, jnp.maximum(mb, 0)
+            x_in = carry["stash"][index % self.slots]
+            cot = jnp.where(is_last, dy_last, carry["recv_bwd"]) * valid.astype(act_dtype)
+            _, stage_vjp = jax.vjp(self._stage, layers, x_in)
+            d_layers, dx = stage_vjp(cot)
+            _, embed_vjp = jax.vjp(lambda t: self._embed(t, micro["inputs"][index]), embed)
+            (d_embed,) = embed_vjp(dx * is_first.astype(act_dtype))
+            grads = carry["grads"]
+            grads = {**grads, "layers": self._add(grads["layers"], d_layers),
+                     "embed": self._add(grads["embed"], d_embed)}
+            return dx, {**carry, "grads": grads}
+
+        def loss_slot(carry, y, mb):
+            """The last stage's loss of the microbatch it just forwarded, and its cotangent."""
+            index = jnp.maximum(mb, 0)
+            weight = ((mb >= 0) & is_last).astype(jnp.float32)
+            loss, head_vjp = jax.vjp(lambda h, x: self._head_loss(h, x, micro["targets"][index],
+                                                                    micro["mask"][index], token_count), head, y)
+            data_axes = tuple(a for a in self.varying if a != PP)  # weight already varies over pp
+            d_head, dy = head_vjp(self._varying(weight, data_axes) if data_axes else weight)
+            grads = {**carry["grads"], "head": self._add(carry["grads"]["head"], d_head)}
+            return dy, {**carry, "grads": grads, "loss": carry["loss"] + weight * loss}
+
+        def warmup_tick(carry, row):
+            y, carry = forward(carry, row["F"][stage])
+            return {**carry, "recv_fwd": jax.lax.ppermute(y, PP, self.send_next)}, None
+
+        def steady_tick(carry, row):
+            y, carry = forward(carry, row["F"][stage])
+            dy, carry = loss_slot(carry, y, row["F"][stage])
+            dx, carry = backward(carry, row["B"][stage], dy)
+            return {**carry, "recv_fwd": jax.lax.ppermute(y, PP, self.send_next),
+                    "recv_bwd": jax.lax.ppermute(dx, PP, self.send_prev)}, None
+
+        def cooldown_tick(carry, row):
+            dx, carry = backward(carry, row["B"][stage], jnp.zeros(act_shape, act_dtype))
+            return {**carry, "recv_bwd": jax.lax.ppermute(dx, PP, self.send_prev)}, None
+
+        zeros = self._varying(jnp.zeros(act_shape, act_dtype))
+        carry = {"recv_fwd": zeros, "recv_bwd": zeros,
+                 "stash": self._varying(jnp.zeros((self.slots,) + act_shape, act_dtype)),
+                 "grads": self._zeros_f32({"layers": layers, "embed": embed, "head": head}),
+                 "loss": self._varying(jnp.zeros((), jnp.float32))}
+        for (name, first, count), tick_fn in zip(self.schedule.phases, (warmup_tick, steady_tick, cooldown_tick)):
+            rows = {"F": jnp.asarray(self.schedule.forward[first:first + count]),
+                    "B": jnp.asarray(self.schedule.backward[first:first + count])}
+            if count:
+                carry, _ = jax.lax.scan(tick_fn, carry, rows)
+        return self._finish(carry["loss"], carry["grads"])
+
+    def _finish(self, loss, grads):
+        """Sum the loss and the embed / head gradients over stages (each came from one stage only)."""
+        out = {"layers": grads["layers"], "embed": jax.lax.psum(grads["embed"], PP)}
+        out.update(jax.lax.psum(grads["head"], PP))
+        return jax.lax.psum(loss, PP), out
+
+    # --------------------------------------------------------------- GPipe
+    def gpipe(self, params, batch, token_count):
+        """All forwards in one scan over ticks, then autodiff: every tick's residuals stay alive (O(m))."""
+        stage = jax.lax.axis_index(PP)
+        is_first, is_last = stage == 0, stage == self.p - 1
+        micro = self._micro(batch, self.m)
+        _, first, count = self.schedule.phases[0]
+        rows = jnp.asarray(self.schedule.forward[first:first + count])
+
+        def total_loss(layers, embed, head):
+            def tick(carry, row):
+                recv, loss = carry
+                mb = row[stage]
+                index, weight = jnp.maximum(mb, 0), ((mb >= 0) & is_last).astype(jnp.float32)
+                x_in = jnp.where(is_first, self._embed(embed, micro["inputs"][index]), recv)
+                y = self._stage(layers, x_in)
+                loss = loss + weight * self._head_loss(head, y, micro["targets"][index], micro["mask"][index],
+                                                       token_count)
+                return (jax.lax.ppermute(y, PP, self.send_next), loss), None
+
+            recv = jnp.zeros(micro["inputs"].shape[1:] + (self.cfg.d_model,), embed.dtype)
+            (_, loss), _ = jax.lax.scan(tick, (self._varying(recv), self._varying(jnp.zeros((), jnp.float32))), rows)
+            return loss
+
+        embed, head = self._stage_varying(params)
+        loss, (d_layers, d_embed, d_head) = jax.value_and_grad(total_loss, argnums=(0, 1, 2))(
+            params["layers"], embed, head)
+        return self._finish(loss, {"layers": d_layers, "embed": d_embed, "head": d_head})
+
+    def loss_and_grads(self, params, batch, token_count):
+        run = self.one_f_one_b if self.schedule.kind == "1f1b" else self.gpipe
+        return run(params, batch, token_count)

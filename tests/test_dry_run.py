@@ -1,0 +1,158 @@
+"""The AOT dry run: per-device state bytes against the ZeRO table, XLA's memory numbers, Llama-2-7B.
+
+Expected bytes are written out here from the ZeRO paper's table (Psi = tp-local parameter count):
+bf16: params 2 Psi, fp32 master + Adam m, v 12 Psi; fp32: params 4 Psi, Adam 8 Psi. ZeRO >= 1 divides
+the optimizer state by dp, ZeRO 3 the params too. Each dry run compiles once (module cache).
+"""
+
+import dataclasses
+import functools
+
+import pytest
+
+from conftest import make_config
+from jaxpar import dry_run as dr
+from jaxpar.config import MeshConfig, ModelConfig, ZeroConfig, load_config
+from jaxpar.mesh import Layout
+from jaxpar.parallel.step import StepBuilder
+
+# Big enough that the scalar step counters (a few bytes) are far below 5%.
+MODEL = ModelConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=512)
+MESHES = [(8, 1), (4, 2)]
+STAGES = [0, 1, 2, 3]
+LLAMA7B_PARAMS = 6_738_415_616
+MODEL_PARAMS = 1_836_288
+
+
+def tp_local_params(model, tp: int) -> int:
+    """Parameters per tp rank in the Megatron layout: vocab, heads, kv heads and d_ff split over tp."""
+    d, n, k, h, f, v = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.vocab_size
+    per_layer = 2 * d + (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) // tp
+    return 2 * v * d // tp + d + model.n_layers * per_layer
+
+
+def expected_bytes(precision: str, stage: int, psi: int, dp: int) -> dict:
+    p, k = (2, 12) if precision == "bf16" else (4, 8)
+    return {"params": p * psi / (dp if stage >= 3 else 1), "opt_state": k * psi / (dp if stage >= 1 else 1)}
+
+
+def mesh_for(config):
+    return Layout.from_config(config.mesh).make_mesh()
+
+
+@functools.cache
+def report(dp: int, tp: int, stage: int) -> dict:
+    config = make_config(dp=dp, tp=tp, stage=stage, precision="bf16", model=MODEL)
+    return dr.dry_run(config, mesh_for(config))
+
+
+@functools.cache
+def llama7b(dp: int, tp: int, stage: int) -> dict:
+    config = load_config("llama7b.py")
+    config = dataclasses.replace(config, mesh=MeshConfig(dp=dp, pp=1, tp=tp), zero=ZeroConfig(stage=stage))
+    return dr.dry_run(config, mesh_for(config))
+
+
+def test_model_sizes():
+    assert tp_local_params(MODEL, 1) == MODEL_PARAMS == report(8, 1, 0)["param_count"]
+    assert tp_local_params(MODEL, 2) == 918_784  # embed + head halve, norms (7 x 256) do not
+
+
+# ----------------------------------------------------------------------------- 4. the ZeRO table
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("dp,tp", MESHES)
+def test_state_bytes_match_zero_table_bf16(dp, tp, stage):
+    rep = report(dp, tp, stage)
+    pd, an = rep["per_device_bytes"], rep["analytic_bytes"]
+    psi = tp_local_params(MODEL, tp)
+    want = expected_bytes("bf16", stage, psi, dp)
+    # the library's own formula is the ZeRO table ...
+    assert an["params"] == want["params"] and an["opt_state"] == want["opt_state"]
+    assert an["grads"] == 2 * psi / (dp if stage >= 2 else 1)
+    # ... and the real shard shapes agree with it
+    assert pd["params"] == pytest.approx(want["params"], rel=0.05)
+    assert pd["opt_state"] == pytest.approx(want["opt_state"], rel=0.05)
+    assert pd["opt_state_host"] == 0
+
+
+def test_zero3_bf16_dp8_params_are_an_eighth():
+    pd = report(8, 1, 3)["per_device_bytes"]
+    assert pd["params"] == pytest.approx(2 * MODEL_PARAMS / 8, rel=0.05)
+    assert pd["opt_state"] == pytest.approx(12 * MODEL_PARAMS / 8, rel=0.05)
+
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("dp,tp", MESHES)
+def test_state_bytes_match_zero_table_fp32(dp, tp, stage):
+    """fp32 (4 + 8 bytes, no master): the abstract state the dry run measures, without compiling."""
+    config = make_config(dp=dp, tp=tp, stage=stage, precision="fp32", model=MODEL)
+    builder = StepBuilder(config, mesh_for(config))
+    state = builder.abstract_state()
+    assert state.master is None
+    psi = tp_local_params(MODEL, tp)
+    want = expected_bytes("fp32", stage, psi, dp)
+    assert dr.bytes_by_memory_kind(state.params)["device"] == pytest.approx(want["params"], rel=0.05)
+    assert dr.bytes_by_memory_kind((state.master, state.opt_state))["device"] == pytest.approx(want["opt_state"], rel=0.05)
+    formula = dr.zero_formula_bytes(config, psi, dp)
+    assert (formula["params"], formula["opt_state"]) == (want["params"], want["opt_state"])
+    assert formula["grads"] == 4 * psi / (dp if stage >= 2 else 1)
+
+
+# ----------------------------------------------------------------------------- 5. XLA's numbers
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("dp,tp", MESHES)
+def test_memory_analysis_and_collectives_are_reported(dp, tp, stage):
+    rep = report(dp, tp, stage)
+    pd = rep["per_device_bytes"]
+    assert pd["peak"] == pd["argument"] + pd["output"] - pd["alias"] + pd["temp"]
+    assert pd["temp"] > 0
+    state = pd["params"] + pd["opt_state"] + 4  # + the int32 step counter
+    batch = 3 * (16 // dp) * 16 * 4  # inputs, targets (int32) and mask (f32), this device's rows
+    assert pd["argument"] == state + batch
+    assert pd["alias"] == state  # the state is donated: updated in place
+    assert pd["output"] >= state
+    assert rep["collectives"] and all(e["bytes"] > 0 and e["count"] > 0 for e in rep["collectives"])
+    assert rep["collectives_requested"] and all(e["bytes"] > 0 for e in rep["collectives_requested"])
+    assert 0 < rep["compile_s"] < 120
+    assert (rep["devices"], rep["mesh"], rep["zero_stage"]) == (8, {"dp": dp, "pp": 1, "tp": tp}, stage)
+    # the gradients go over dp as the stage says (bf16, as jaxpar wrote them)
+    ops = {e["op"] for e in rep["collectives_requested"] if e["axis"] == "dp" and e["dtype"] == "bf16"}
+    assert ops == [{"all-reduce"}, {"all-reduce"}, {"reduce-scatter"}, {"reduce-scatter", "all-gather"}][stage]
+
+
+@pytest.mark.parametrize("dp,tp", MESHES)
+def test_zero3_divides_state_by_dp(dp, tp):
+    z0, z3 = report(dp, tp, 0)["per_device_bytes"], report(dp, tp, 3)["per_device_bytes"]
+    assert z0["opt_state"] / z3["opt_state"] == pytest.approx(dp, rel=0.05)
+    assert z0["params"] / z3["params"] == pytest.approx(dp, rel=0.05)
+    assert z3["peak"] < z0["peak"]
+
+
+# ----------------------------------------------------------------------------- 6. Llama-2-7B
+
+def test_llama7b_tp8_zero1():
+    rep = llama7b(1, 8, 1)
+    pd = rep["per_device_bytes"]
+    assert rep["param_count"] == LLAMA7B_PARAMS
+    assert rep["compile_s"] < 60
+    psi = tp_local_params(load_config("llama7b.py").model, 8)
+    assert psi == 842_534_912  # 2*32000*4096/8 + 4096 + 32 * (2*4096 + (4*4096^2 + 3*4096*11008)/8)
+    assert pd["params"] == pytest.approx(2 * psi, rel=0.05)
+    assert pd["opt_state"] == pytest.approx(12 * psi, rel=0.05)  # dp = 1: nothing to shard over
+    assert pd["temp"] > 0 and pd["peak"] > pd["params"] + pd["opt_state"]
+
+
+def test_llama7b_dp8_zero3():
+    rep = llama7b(8, 1, 3)
+    pd = rep["per_device_bytes"]
+    assert rep["param_count"] == LLAMA7B_PARAMS
+    assert rep["compile_s"] < 60
+    assert pd["params"] == pytest.approx(2 * LLAMA7B_PARAMS / 8, rel=0.05)
+    assert pd["opt_state"] == pytest.approx(12 * LLAMA7B_PARAMS / 8, rel=0.05)
+    # full remat: every layer weight is gathered for the forward and again for the backward
+    gathers = {e["dtype"]: e for e in rep["collectives_requested"] if e["op"] == "all-gather" and e["axis"] == "dp"}
+    assert set(gathers) == {"bf16"}
+    assert gathers["bf16"]["count"] == 3 + 2 * 9 * 32
