@@ -53,11 +53,13 @@ def ensure_writable(workdir: pathlib.Path) -> None:
 
 
 def run(argv: list[str]) -> int:
-    from jaxpar.config import load_config, to_dict
+    from jaxpar.config import load_config, pipeline_warning, to_dict
 
     # Flags, config and workdir are checked before JAX is even imported: a mistake costs no start-up time.
     args, overrides = parse_args(argv)
     config = load_config(args.config, overrides)
+    if (warning := pipeline_warning(config)) is not None:
+        print(warning, file=sys.stderr)
     workdir = pathlib.Path(args.workdir or f"runs/{pathlib.Path(args.config).stem}")
     ensure_writable(workdir)
 

@@ -101,10 +101,16 @@ def test_unwritable_workdir(tmp_path):
     assert_one_line_error(proc, f"--workdir {blocker / 'run'}", "writable directory")
 
 
-def test_pipeline_parallel_is_refused_for_now(tmp_path):
-    """Delete this test when pipeline parallelism lands (issue 3)."""
-    proc = run_cli("--config", "llama_tiny", "--config.mesh.pp=2", "--workdir", tmp_path / "wd", cwd=tmp_path)
-    assert_one_line_error(proc, "mesh.pp=2", "pipeline parallelism is not available yet", "use mesh.pp=1")
+def test_pipeline_mistakes_are_one_line_errors(tmp_path):
+    proc = run_cli("--config", "llama_tiny", "--config.mesh.pp=2", "--config.pipeline.schedule=zigzag",
+                   "--workdir", tmp_path / "wd", cwd=tmp_path)
+    assert_one_line_error(proc, "pipeline.schedule='zigzag'", "1f1b, gpipe")
+    proc = run_cli("--config", "llama_tiny", "--config.mesh.dp=1", "--config.mesh.pp=2", "--config.pipeline.microbatches=3",
+                   "--workdir", tmp_path / "wd", cwd=tmp_path)
+    assert_one_line_error(proc, "global_batch_size=16", "mesh.dp x pipeline.microbatches", "multiple of 3")
+    proc = run_cli("--config", "llama_tiny", "--config.mesh.dp=1", "--config.mesh.pp=2", "--config.zero.stage=3",
+                   "--workdir", tmp_path / "wd", cwd=tmp_path)
+    assert_one_line_error(proc, "zero.stage=3", "mesh.pp=2", "zero.stage 0, 1 or 2")
 
 
 def test_cli_flags_are_frozen():

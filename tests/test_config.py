@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from jaxpar import config as C
-from jaxpar.config import (Config, ConfigError, MeshConfig, ModelConfig, TrainConfig, ZeroConfig, from_dict,
+from jaxpar.config import (Config, ConfigError, MeshConfig, ModelConfig, TrainConfig, ZeroConfig, from_dict, pipeline_warning,
                            load_config, load_config_dict, parse_value, resolve_config_path, to_dict, validate)
 
 # The CLI surface the issue requires, frozen (as torchtitan freezes its flags): renaming or retyping any of
@@ -24,7 +24,7 @@ OTHER_KEYS = {
     "train.warmup_steps": int, "train.min_lr_ratio": float, "train.weight_decay": float, "train.b1": float,
     "train.b2": float, "train.eps": float, "train.grad_clip": float, "train.grad_accum": int, "train.log_every": int,
     "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float, "remat.policy": str,
-    "hardware.peak_tflops": float,
+    "hardware.peak_tflops": float, "pipeline.schedule": str, "pipeline.microbatches": int,
 }
 
 
@@ -218,10 +218,28 @@ def test_validate_catches_layout_mistakes(changes, expected):
         assert fragment in message
 
 
-def test_pipeline_parallel_is_refused_for_now():
-    """Delete this test when pipeline parallelism lands (issue 3)."""
-    with pytest.raises(ConfigError, match=r"mesh\.pp=2: pipeline parallelism is not available yet.*use mesh\.pp=1"):
-        validate(with_values(BASE, mesh__pp=2))
+PIPELINE_MISTAKES = {
+    "unknown schedule": (dict(mesh__pp=2, pipeline__schedule="interleaved"), "pipeline.schedule='interleaved'"),
+    "batch vs dp x m": (dict(mesh__pp=2, pipeline__microbatches=3), "mesh.dp x pipeline.microbatches = 2 x 3"),
+    "zero-3 with pp": (dict(mesh__pp=2, zero__stage=3), "zero.stage=3 with mesh.pp=2 is refused"),
+    "grad_accum with pp": (dict(mesh__pp=2, train__grad_accum=2), "set pipeline.microbatches instead"),
+    "microbatches without pp": (dict(pipeline__microbatches=2), "needs mesh.pp > 1"),
+    "layers vs pp": (dict(mesh__pp=4, model__n_layers=6), "mesh.pp=4 does not divide model.n_layers=6"),
+}
+
+
+@pytest.mark.parametrize("changes,expected", PIPELINE_MISTAKES.values(), ids=PIPELINE_MISTAKES.keys())
+def test_validate_catches_pipeline_mistakes(changes, expected):
+    with pytest.raises(ConfigError) as err:
+        validate(with_values(BASE, **changes))
+    assert "\n" not in str(err.value) and expected in str(err.value)
+
+
+def test_fewer_microbatches_than_stages_only_warns():
+    config = with_values(BASE, mesh__pp=2, mesh__dp=1, pipeline__microbatches=1)
+    validate(config)
+    assert "bubble fraction (p-1)/(m+p-1) = 50%" in pipeline_warning(config)
+    assert pipeline_warning(with_values(config, pipeline__microbatches=8)) is None
 
 
 # ----------------------------------------------------------------------------- finding and loading config files

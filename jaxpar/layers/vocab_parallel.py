@@ -7,7 +7,7 @@ over tp as [B, S] scalars (one max, two sums).
 import jax
 import jax.numpy as jnp
 
-from jaxpar.layers.collectives import Collectives
+from jaxpar.layers.collectives import Collectives, after
 
 
 def _local_ids(ids: jax.Array, local_vocab: int, coll: Collectives):
@@ -30,5 +30,5 @@ def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array, coll: Collect
     sum_exp_BxS = coll.tp_sum(jnp.sum(jnp.exp(logits_BxSxV - max_BxS[..., None]), axis=-1))
     local, in_shard = _local_ids(targets_BxS, logits_BxSxV.shape[-1], coll)
     picked_BxS = jnp.take_along_axis(logits_BxSxV, local[..., None], axis=-1)[..., 0]
-    target_logit_BxS = coll.tp_sum(jnp.where(in_shard, picked_BxS, 0.0))
+    target_logit_BxS = coll.tp_sum(after(jnp.where(in_shard, picked_BxS, 0.0), sum_exp_BxS))  # fixed order
     return jnp.log(sum_exp_BxS) + max_BxS - target_logit_BxS

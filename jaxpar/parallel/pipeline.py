@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ModelConfig
-from jaxpar.layers.collectives import Collectives
+from jaxpar.layers.collectives import Collectives, after
 from jaxpar.models import llama
 from jaxpar.parallel.schedule import Schedule
 
@@ -128,8 +128,13 @@ class Pipeline:
             y, carry = forward(carry, row["F"][stage])
             dy, carry = loss_slot(carry, y, row["F"][stage])
             dx, carry = backward(carry, row["B"][stage], dy)
-            return {**carry, "recv_fwd": jax.lax.ppermute(y, PP, self.send_next),
-                    "recv_bwd": jax.lax.ppermute(dx, PP, self.send_prev)}, None
+            # Pin one order of collectives on every device: this tick's compute (and its tp all-reduces),
+            # then the forward send, then the backward send. XLA:CPU runs independent ops concurrently
+            # and may start independent collectives in a different order per device, which deadlocks;
+            # optimization_barrier does not survive its pipeline, a data dependency does.
+            recv_fwd = jax.lax.ppermute(after(y, dx), PP, self.send_next)
+            recv_bwd = jax.lax.ppermute(after(dx, recv_fwd), PP, self.send_prev)
+            return {**carry, "recv_fwd": recv_fwd, "recv_bwd": recv_bwd}, None
 
         def cooldown_tick(carry, row):
             dx, carry = backward(carry, row["B"][stage], jnp.zeros(act_shape, act_dtype))
@@ -171,7 +176,7 @@ class Pipeline:
                 y = self._stage(layers, x_in)
                 loss = loss + weight * self._head_loss(head, y, micro["targets"][index], micro["mask"][index],
                                                        token_count)
-                return (jax.lax.ppermute(y, PP, self.send_next), loss), None
+                return (jax.lax.ppermute(after(y, loss), PP, self.send_next), loss), None  # loss first
 
             recv = jnp.zeros(micro["inputs"].shape[1:] + (self.cfg.d_model,), embed.dtype)
             (_, loss), _ = jax.lax.scan(tick, (self._varying(recv), self._varying(jnp.zeros((), jnp.float32))), rows)

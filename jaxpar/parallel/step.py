@@ -46,6 +46,15 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
+def _zero3_save_all_but_gathered_weights(prim, *_, **params) -> bool:
+    """Save every residual except all-gathered ZeRO-3 weights (and their checkpoint_name alias), so
+    the backward re-gathers them as DeepSpeed does. (jax 0.10's save_anything_except_these_names
+    saves everything, so it cannot be used here.)"""
+    if prim is jax.lax.all_gather_p:
+        return False
+    return not (prim.name == "name" and params.get("name") == ZERO3_GATHERED)
+
+
 class StepBuilder:
     """Builds the abstract state, its shardings, the init function and the jitted train step."""
 
@@ -62,6 +71,9 @@ class StepBuilder:
         self.dp_axis = DP if mesh.shape[DP] > 1 else None  # no dp collectives at all when dp == 1
         self.gathers_weights = self.stage >= 3 and self.dp_axis is not None  # ZeRO-3 with something to gather
         self.batch_spec = P(self.dp_axis, None)  # [batch, seq]: batch over dp
+        # ZeRO-2 without a pipeline reduce-scatters per layer inside the backward (grad taps); with a
+        # pipeline, gradients accumulate over microbatches and are reduce-scattered once at the end.
+        self.taps_grads = self.stage == 2 and self.dp_axis is not None and mesh.shape["pp"] == 1
 
     # ------------------------------------------------------------------ state layout
     def _named(self, specs):
@@ -122,19 +134,20 @@ class StepBuilder:
     def collectives(self) -> Collectives:
         sizes = self.mesh.shape
         return Collectives(tp_axis="tp" if sizes["tp"] > 1 else None,
-                           zero3_axis=DP if self.gathers_weights else None)
+                           zero3_axis=DP if self.gathers_weights else None,
+                           zero2_axis=DP if self.taps_grads else None)
 
     def remat_policy(self):
         """The per-layer jax.checkpoint policy; ZeRO-3 never keeps gathered weights for backward."""
         if self.config.remat.policy == "full":
             return jax.checkpoint_policies.nothing_saveable
         if self.gathers_weights:
-            return jax.checkpoint_policies.save_anything_except_these_names(ZERO3_GATHERED)
+            return _zero3_save_all_but_gathered_weights
         return None
 
     def _reduce_grads_over_dp(self, grads):
         reduce_dtype = self.compute_dtype
-        if self.dp_axis is None or self.gathers_weights:  # already reduce-scattered by the transpose of the per-layer all-gather
+        if self.dp_axis is None or self.gathers_weights or self.taps_grads:  # already reduce-scattered by the transpose of the per-layer all-gather
             return grads
         if self.stage >= 2:
             def scatter(g, axes):
@@ -143,7 +156,11 @@ class StepBuilder:
         return jax.tree.map(lambda g: jax.lax.psum(g.astype(reduce_dtype), DP), grads)
 
     def _local_loss_and_grads(self, params, batch):
-        """Per-device body of the shard_map: local microbatches, then one reduction over dp."""
+        """Per-device body of the shard_map: local microbatches, then one reduction over dp.
+
+        With ZeRO-2 grad taps, the gradient is taken w.r.t. a dp-shard-shaped tap per weight instead
+        of the (replicated) weight itself, and arrives reduce-scattered layer by layer.
+        """
         cfg, accum = self.config.model, self.config.train.grad_accum
         coll, policy = self.collectives(), self.remat_policy()
         token_count = self._dp_sum(jnp.sum(batch["mask"]))
@@ -154,14 +171,22 @@ class StepBuilder:
             loss, grads = self._pipeline(coll, policy).loss_and_grads(params, batch, token_count)
             return self._dp_sum(loss), self._reduce_grads_over_dp(grads)
 
+        if self.taps_grads:  # the taps' values are never used, only their shape and type
+            frozen, dp = jax.lax.stop_gradient(params), self.mesh.shape[DP]
+            params = jax.tree.map(lambda w, axes: jax.lax.slice_in_dim(w, 0, w.shape[zero_dim(axes)] // dp,
+                                                                       axis=zero_dim(axes)), frozen, self.axes)
+            with_weights = lambda t: jax.tree.map(lambda full, tap: (full, tap), frozen, t)  # noqa: E731
+        else:
+            with_weights = lambda p: p  # noqa: E731
+
         def objective(p, micro):
-            loss, _ = llama.loss_sum(p, micro, cfg, coll, policy)
+            loss, _ = llama.loss_sum(with_weights(p), micro, cfg, coll, policy)
             return loss / token_count
 
         micro_batches = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
         loss, grads = jax.value_and_grad(objective)(params, jax.tree.map(lambda x: x[0], micro_batches))
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        if accum > 1:
+        if accum > 1:  # accumulate in fp32; a single microbatch keeps compute-dtype grads (2 bytes in bf16)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             def accumulate(carry, micro):
                 loss_i, grads_i = jax.value_and_grad(objective)(params, micro)
                 return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss_i, grads_i)), None
@@ -188,8 +213,9 @@ class StepBuilder:
     def train_step(self, state: TrainState, batch: dict, with_grads: bool = False):
         """One optimizer step; `with_grads` also returns the gradients (for the equivalence tests)."""
         loss, grads = self.loss_and_grads(state.params, batch)
+        # Each dp rank updates only its optimizer shard: slice (ZeRO-1) before widening to fp32.
+        grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.opt))
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.grads))
         grad_norm = optax.tree.norm(grads)
         target = state.master if self.bf16 else state.params
         updates, opt_state = self.tx.update(grads, state.opt_state, target)

@@ -1,0 +1,115 @@
+"""Reproduce the figures in BENCHMARKS.md (CPU host, 8 emulated devices). Prints markdown tables.
+
+    python scripts/benchmarks.py zero_memory        # llama7b, dp=8, ZeRO 0-3: dry-run bytes vs the formula
+    python scripts/benchmarks.py pipeline_memory    # temp bytes vs m, 1F1B vs GPipe, p=4
+    python scripts/benchmarks.py step_time          # llama_tiny step-time ratios (alternating, one process)
+"""
+
+import dataclasses
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from jaxpar.config import ModelConfig, PipelineConfig, load_config  # noqa: E402
+from jaxpar.data.synthetic import synthetic_batch  # noqa: E402
+from jaxpar.dry_run import dry_run  # noqa: E402
+from jaxpar.mesh import Layout  # noqa: E402
+from jaxpar.parallel.step import StepBuilder  # noqa: E402
+
+GB = 1e9
+SEED_TABLE_2_3_GB = {0: 76, 1: 52, 2: 38, 3: 22}  # first seed article, table 2.3 (7B, 8 x A100)
+
+
+def with_layout(config, dp=1, pp=1, tp=1, stage=None, **pipeline):
+    mesh = dataclasses.replace(config.mesh, dp=dp, pp=pp, tp=tp)
+    zero = config.zero if stage is None else dataclasses.replace(config.zero, stage=stage)
+    pipe = dataclasses.replace(config.pipeline, **pipeline) if pipeline else config.pipeline
+    return dataclasses.replace(config, mesh=mesh, zero=zero, pipeline=pipe)
+
+
+def mesh_for(config):
+    return Layout.from_config(config.mesh).make_mesh()
+
+
+def zero_memory():
+    base = load_config("llama7b.py")
+    print("| ZeRO | params | opt_state | grads (formula) | formula total | temp | peak | seed table 2.3 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for stage in range(4):
+        config = with_layout(base, dp=8, stage=stage)
+        r = dry_run(config, mesh_for(config))
+        pd, an = r["per_device_bytes"], r["analytic_bytes"]
+        print(f"| {stage} | {pd['params'] / GB:.2f} | {pd['opt_state'] / GB:.2f} | {an['grads'] / GB:.2f} | "
+              f"{an['total'] / GB:.2f} | {pd['temp'] / GB:.2f} | {pd['peak'] / GB:.2f} | "
+              f"{SEED_TABLE_2_3_GB[stage]} |")
+
+
+def pipeline_memory():
+    model = ModelConfig(vocab_size=512, d_model=256, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=1024)
+    base = dataclasses.replace(load_config("llama_tiny.py"), model=model)
+    print("| m | 1F1B temp (MB) | GPipe temp (MB) | bubble (p-1)/(m+p-1) |")
+    print("|---|---|---|---|")
+    for m in (1, 2, 4, 8, 16, 32):
+        row = []
+        for schedule in ("1f1b", "gpipe"):
+            config = with_layout(base, pp=4, stage=0, schedule=schedule, microbatches=m)
+            config = dataclasses.replace(config, train=dataclasses.replace(config.train, global_batch_size=2 * m,
+                                                                           seq_len=128))
+            row.append(dry_run(config, mesh_for(config))["per_device_bytes"]["temp"] / 1e6)
+        print(f"| {m} | {row[0]:.1f} | {row[1]:.1f} | {3 / (m + 3):.3f} |")
+
+
+def compiled_step(config):
+    builder = StepBuilder(config, mesh_for(config))
+    state = builder.init_state(config.train.seed)
+    t = config.train
+    batch = jax.device_put(synthetic_batch(t.seed, 0, t.global_batch_size, t.seq_len, config.model.vocab_size),
+                           builder.batch_sharding())
+    step = builder.jit_train_step().lower(state, batch).compile()
+    return step, state, batch
+
+
+def time_alternating(configs: dict, rounds: int = 30, steps_per_round: int = 3) -> dict:
+    """Median seconds per step of each config, timed in alternation so machine noise hits all alike."""
+    compiled = {name: list(compiled_step(c)) for name, c in configs.items()}
+    times = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, entry in compiled.items():
+            step, state, batch = entry
+            start = time.perf_counter()
+            for _ in range(steps_per_round):
+                state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+            times[name].append((time.perf_counter() - start) / steps_per_round)
+            entry[1] = state
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def step_time():
+    base = load_config("llama_tiny.py")
+    dp_tp = time_alternating({"(1,1,1)": with_layout(base, stage=0),
+                              "(2,1,4) zero1": with_layout(base, dp=2, tp=4, stage=1),
+                              "(8,1,1) zero1": with_layout(base, dp=8, stage=1)})
+    print("| layout (dp,pp,tp) | median step (ms) | ratio to 1 device |")
+    print("|---|---|---|")
+    for name, seconds in dp_tp.items():
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / dp_tp['(1,1,1)']:.2f} |")
+    deeper = dataclasses.replace(base.model, n_layers=4)
+    pipe_base = dataclasses.replace(base, model=deeper)
+    m = 8
+    pp = time_alternating({"(1,1,1)": with_layout(pipe_base, stage=0),
+                           "(1,4,1) 1f1b": with_layout(pipe_base, pp=4, stage=0, schedule="1f1b", microbatches=m),
+                           "(1,4,1) gpipe": with_layout(pipe_base, pp=4, stage=0, schedule="gpipe", microbatches=m)})
+    print(f"\n| layout, m={m} | median step (ms) | ratio to (1,1,1) | ideal (m+p-1)/m |")
+    print("|---|---|---|---|")
+    for name, seconds in pp.items():
+        ideal = 1.0 if name == "(1,1,1)" else (m + 3) / m
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / pp['(1,1,1)']:.2f} | {ideal:.3f} |")
+
+
+if __name__ == "__main__":
+    {"zero_memory": zero_memory, "pipeline_memory": pipeline_memory, "step_time": step_time}[sys.argv[1]]()
