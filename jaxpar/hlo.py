@@ -13,6 +13,11 @@ Works on both texts JAX gives us:
   * pre-optimization: ``jax.jit(f).lower(*a).as_text(dialect="hlo")`` -- no
     ``%``, no trip counts (inferred from the loop condition), shard_map
     collectives live in ``call``-ed ``closed_call`` computations.
+Replica groups come as explicit `{{0,4},{1,5}}`, iota `[4,2]<=[2,4]T(1,0)` or (partitioner
+collectives in optimized programs) mesh axes `mesh['axis_0'=2,'axis_1'=4] {'axis_0'}`, see
+_mesh_replica_groups.  Device ids are the program's logical ids: positions in the jit's device
+assignment, i.e. the mesh's flat device order (axis_label / permute_axis compare them with
+Device.id, which is the same thing for meshes built in jax.devices() order).
 Note: XLA:CPU widens bf16 collectives to f32 in the optimized program (their
 reducer is renamed ``*_promoted``); the pre-optimization HLO keeps bf16, so use
 it when the report should show the dtype the model asked for.
@@ -124,22 +129,96 @@ def _parse_instr(line: str) -> dict | None:
             "attrs": rest[close:]}
 
 
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in re.findall(r"-?\d+", s)]
+
+
 def parse_replica_groups(attrs: str, n_devices: int) -> list[list[int]]:
-    """Device-id groups of `replica_groups=` (explicit, iota or `{}` = all)."""
+    """Device-id groups of `replica_groups=` (explicit, iota, mesh axes or `{}` = all).
+
+    Each group is in XLA's order (the order an all-gather concatenates in).
+    """
     m = re.search(r"replica_groups=", attrs)
     if not m:
         return [list(range(n_devices))]
     rest = attrs[m.end():]
     iota = _IOTA.match(rest)
     if iota:
-        shape, dims = ([int(x) for x in iota.group(k).split(",")] for k in (1, 2))
+        shape, dims = (_ints(iota.group(k)) for k in (1, 2))
         ids = np.arange(int(np.prod(dims))).reshape(dims)
         if iota.group(3):
-            ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
+            ids = ids.transpose(_ints(iota.group(3)))
         return ids.reshape(shape).tolist()
+    if rest.startswith("mesh["):
+        return _mesh_replica_groups(rest)
     body = rest[1:_close(rest, 0) - 1]
-    groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([^{}]*)\}", body)]
+    groups = [_ints(g) for g in re.findall(r"\{([^{}]*)\}", body)]
     return groups or [list(range(n_devices))]
+
+
+def _mesh_device_ids(body: str | None, sizes: list[int]) -> np.ndarray:
+    """Device id at each position of a mesh of axis `sizes`, from its `device_ids=(body)`.
+
+    `body` is an iota `[dims]T(perm)` (arange(n).reshape(dims).transpose(perm)) or an explicit
+    row-major list of ids; no device_ids (None) means plain iota: position k holds device k.
+    """
+    n = int(np.prod(sizes))
+    iota = re.fullmatch(r"\s*\[([\d,\s]+)\]\s*(?:T\(([\d,\s]+)\))?\s*", body or "")
+    if body is None:
+        ids = np.arange(n)
+    elif iota:
+        ids = np.arange(n).reshape(_ints(iota.group(1)))
+        ids = ids.transpose(_ints(iota.group(2))) if iota.group(2) else ids
+    else:
+        ids = np.array(_ints(body)[-n:])  # the flat list (after its `[dims]`, if printed)
+    if ids.size != n or sorted(ids.flat) != list(range(n)):
+        raise ValueError(f"device_ids=({body}) is not a permutation of the {n} mesh devices")
+    return ids.reshape(sizes)
+
+
+def _mesh_replica_groups(text: str) -> list[list[int]]:
+    """Groups of `mesh['a'=2,'b'=4], device_ids=(..) {'b'}`: one per position of the axes not listed.
+
+    As XLA's MeshAxesReplicaGroupList: reshape the mesh's device ids to the axis sizes (a sub-axis
+    `'a':(pre)size` splits axis a, major to minor, into [pre, size, rest]), move the listed axes
+    last, in the listed order, and read each group off a row.  `{}` gives one group per device.
+    """
+    m = re.match(r"mesh\[([^\]]*)\]", text)
+    items = [item.rsplit("=", 1) for item in _split_top(m.group(1))]
+    names, sizes = [a.strip().strip("'\"") for a, _ in items], [int(b) for _, b in items]
+    pos, dev_body = m.end(), None
+    dev = re.match(r"\s*,\s*device_ids=\(", text[pos:])
+    if dev:
+        start = pos + dev.end() - 1
+        pos = _close(text, start)
+        dev_body = text[start + 1:pos - 1]
+    axes = re.match(r"\s*\{([^{}]*)\}", text[pos:])
+    if not axes:
+        raise ValueError(f"no {{axes}} after replica_groups={text[:pos]}")
+    refs = []  # (mesh axis, pre-size, size) of each listed axis, in the listed order
+    for ref in _split_top(axes.group(1)):
+        r = re.fullmatch(r"'?([^':]+?)'?\s*(?::\((\d+)\)(\d+))?", ref.strip())
+        if not r or r.group(1) not in names:
+            raise ValueError(f"unknown mesh axis {ref!r} in replica_groups={text[:pos]}")
+        i = names.index(r.group(1))
+        refs.append((i, int(r.group(2)), int(r.group(3))) if r.group(2) else (i, 1, sizes[i]))
+    dims, where = [], {}  # split mesh shape; where[k] = dim of refs[k] in it
+    for i, n in enumerate(sizes):
+        done = 1  # product of the parts of axis i laid out so far (major first)
+        for k in sorted((k for k, r in enumerate(refs) if r[0] == i), key=lambda k: refs[k][1]):
+            pre, size = refs[k][1:]
+            if pre != done:
+                dims.append(pre // done)
+            where[k] = len(dims)
+            dims.append(size)
+            done = pre * size
+        if done != n or not any(r[0] == i for r in refs):
+            dims.append(n // done)
+    ids = _mesh_device_ids(dev_body, sizes).reshape(dims)
+    listed = [where[k] for k in range(len(refs))]
+    order = [d for d in range(len(dims)) if d not in listed] + listed
+    group = int(np.prod([r[2] for r in refs]))
+    return ids.transpose(order).reshape(-1, group).tolist()
 
 
 def _mesh_ids(mesh) -> np.ndarray:

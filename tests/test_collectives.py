@@ -15,7 +15,6 @@ import functools
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -197,8 +196,9 @@ def test_forward_two_tp_all_reduces_per_layer(optimised):
     # fixed part: embedding [B, S, D] + cross-entropy max and two sums of [B, S]
     fixed_bytes = got[2][1] - 2 * 2 * ACT
     assert fixed_bytes == ACT + 3 * ROW
-    # pre-optimisation: 4 separate ops; XLA's combiner may merge the two cross-entropy sums into one
-    assert got[2][0] - 2 * 2 == (4 if not optimised else 3)
+    # 4 separate ops: the target-logit sum is sequenced after the normaliser's sum (a fixed order of
+    # collectives on every device, see layers.collectives.after), so XLA cannot merge them
+    assert got[2][0] - 2 * 2 == 4
 
 
 @pytest.mark.parametrize("optimised", [False, True], ids=["pre", "optimised"])
@@ -258,8 +258,10 @@ def test_zero2_reduce_scatters_gradients_over_dp(dp, tp):
     builder, _, pre = step(dp, tp, 2)
     psi = tp_local_params(TINY_MODEL, tp)
     entries = colls(pre, builder.mesh)
-    # the reduce-scatter input is the full tp-local gradient; each rank keeps 1/dp of it
-    assert total(entries, "reduce-scatter", "dp") == (N_LAYER_WEIGHTS + N_OTHER_WEIGHTS, 4 * psi)
+    # the reduce-scatter inputs add up to the full tp-local gradient; each rank keeps 1/dp of it. They
+    # run per weight and per layer inside the backward scan, so no rank holds its whole gradient.
+    n_weights = N_OTHER_WEIGHTS + N_LAYER_WEIGHTS * TINY_MODEL.n_layers
+    assert total(entries, "reduce-scatter", "dp") == (n_weights, 4 * psi)
     assert total(entries, "all-reduce", "dp") == (2, SCALARS)  # no gradient all-reduce, only the scalars
     assert total(entries, "all-gather") == (0, 0)
 
@@ -287,11 +289,6 @@ def test_zero3_full_remat_gathers_layer_weights_again_for_backward(dp, tp):
     assert total(entries, "reduce-scatter", "dp") == (N_OTHER_WEIGHTS + n_layer, 4 * psi)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: StepBuilder.remat_policy() for ZeRO-3 without remat is "
-    "save_anything_except_these_names('zero3_gathered'), which still saves the all_gather output "
-    "itself (only the `name` wrapper is excluded), so every layer's gathered full weights are kept "
-    "as scan residuals for backward instead of being re-gathered"))
 @pytest.mark.parametrize("dp,tp", [(2, 4)])
 def test_zero3_does_not_keep_gathered_weights_for_backward(dp, tp):
     builder, _, pre = step(dp, tp, 3)
@@ -311,8 +308,11 @@ def test_optimised_step_moves_the_zero_bytes_over_dp(stage):
     rs_count, rs_bytes = total(entries, "reduce-scatter", "dp")
     ag_count, ag_bytes = total(entries, "all-gather", "dp")
     assert {e["axis"] for e in entries} <= {"dp", "tp"}, entries
-    if stage <= 1:
+    if stage == 0:
         assert ar_bytes == 4 * psi + SCALARS  # XLA may combine the all-reduces; the bytes stay
+        assert rs_count == 0
+    elif stage == 1:  # + the global-norm partial sums of the dp-sliced gradient (a few scalars)
+        assert 0 <= ar_bytes - (4 * psi + SCALARS) < 0.01 * 4 * psi
         assert rs_count == 0
     else:
         assert rs_bytes == 4 * psi
@@ -332,10 +332,6 @@ def test_optimised_hlo_does_not_depend_on_backend_opt_level():
     assert colls(default, mesh) == colls(forward_optimised(2), mesh)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: jaxpar.hlo.parse_replica_groups does not parse XLA's "
-    "`replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}` form and falls back to all devices, "
-    "so dp-only all-gathers of the ZeRO-1 optimizer output are reported over 'dp+tp'"))
 def test_hlo_parser_reads_mesh_replica_groups():
     builder, _, _ = step(2, 4, 1)
     text = step_optimised(2, 4, 1)

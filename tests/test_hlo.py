@@ -6,7 +6,7 @@ import re  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxpar.hlo import axis_label, collectives, parse_replica_groups, summarize  # noqa: E402
 
@@ -153,3 +153,121 @@ def test_literal_module_async_ops_tuples_and_inferred_trip_count(mesh):
     }
     table = summarize(collectives(LITERAL, mesh))
     assert len(table.splitlines()) == 5 and "collective-permute" in table
+
+
+# ----------------------------------------------------------------------------- mesh-axes replica groups
+# XLA prints `replica_groups=mesh['a'=2,'b'=4], device_ids=(..) {'b'}`: a mesh of named axes (major
+# to minor), optionally which device sits at each mesh position (an iota `[dims]T(perm)` or a
+# row-major list; default: position k holds device k), and the axes the collective runs over.  Each
+# group is the devices along the listed axes (in the listed order) at one position of the others.
+
+MESH_GROUPS = [
+    # worked out by hand
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}", [list(range(8))]),
+    ("mesh['axis_0'=2,'axis_1'=4] {'axis_1','axis_0'}", [[0, 4, 1, 5, 2, 6, 3, 7]]),  # listed order
+    ("mesh['axis_0'=2,'axis_1'=4] {}", [[i] for i in range(8)]),
+    # device_ids=([2,4]T(1,0)): positions hold arange(8).reshape(2,4).T = 0,4,1,5,2,6,3,7
+    ("mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("mesh['axis_0'=8,'axis_1'=1,'axis_2'=1], device_ids=([4,2]T(1,0)) {'axis_0'}", [[0, 2, 4, 6, 1, 3, 5, 7]]),
+    ("mesh['axis_0'=2,'axis_1'=1,'axis_2'=1,'axis_3'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}",
+     [[0, 2], [1, 3], [4, 6], [5, 7]]),
+    # explicit device lists and sub-axes `a:(pre)size`: expected values from XLA's own tests
+    # (xla/hlo/ir/replica_group_test.cc, MeshAxesReplicaGroupListTest)
+    ("mesh[x=2,y=2], device_ids=(3,1,0,2) {x}", [[3, 0], [1, 2]]),
+    ("mesh[x=2,y=2], device_ids=(3,1,0,2) {y}", [[3, 1], [0, 2]]),
+    ("mesh[a=6,b=6] {a:(1)3}", [[i, i + 12, i + 24] for i in range(12)]),
+    ("mesh[a=6,b=6] {a:(3)2}", [[i, i + 6] for i in [*range(6), *range(12, 18), *range(24, 30)]]),
+    ("mesh[a=6,b=6] {b:(1)3}", [[0, 2, 4], [1, 3, 5], [6, 8, 10], [7, 9, 11], [12, 14, 16], [13, 15, 17],
+                                [18, 20, 22], [19, 21, 23], [24, 26, 28], [25, 27, 29], [30, 32, 34], [31, 33, 35]]),
+    ("mesh[a=6,b=6] {a:(1)2,b:(1)2}", [[0, 3, 18, 21], [1, 4, 19, 22], [2, 5, 20, 23], [6, 9, 24, 27],
+                                       [7, 10, 25, 28], [8, 11, 26, 29], [12, 15, 30, 33], [13, 16, 31, 34],
+                                       [14, 17, 32, 35]]),
+    ("mesh[a=6,b=6] {a:(3)2,b:(3)2}", [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11], [12, 13, 18, 19],
+                                       [14, 15, 20, 21], [16, 17, 22, 23], [24, 25, 30, 31], [26, 27, 32, 33],
+                                       [28, 29, 34, 35]]),
+]
+
+
+@pytest.mark.parametrize("text,groups", MESH_GROUPS)
+def test_mesh_replica_groups(text, groups):
+    n = sum(len(g) for g in groups)
+    attrs = f"replica_groups={text}, dimensions={{0}}, use_global_device_ids=true, to_apply=%add"
+    assert parse_replica_groups(attrs, n) == groups
+
+
+# XLA's MaterializedReplicaGroupsMatchExpectedV2: the same groups in mesh and in iota form
+@pytest.mark.parametrize("axes,iota", [
+    ("a", "[1,8]<=[8]"), ("a:(1)2", "[4,2]<=[2,4]T(1,0)"), ("a:(1)4", "[2,4]<=[4,2]T(1,0)"),
+    ("a:(2)2", "[4,2]<=[2,2,2]T(0,2,1)"), ("a:(2)4", "[2,4]<=[8]"), ("a:(4)2", "[4,2]<=[8]"),
+    ("a:(1)2,a:(4)2", "[2,4]<=[2,2,2]T(1,0,2)"), ("a:(4)2,a:(1)2", "[2,4]<=[2,2,2]T(1,2,0)"),
+])
+def test_mesh_sub_axes_match_iota_form(axes, iota):
+    mesh_form = parse_replica_groups(f"replica_groups=mesh['a'=8] {{{axes}}}, to_apply=%add", 8)
+    assert mesh_form == parse_replica_groups(f"replica_groups={iota}, to_apply=%add", 8)
+
+
+def test_mesh_replica_groups_reject_what_they_cannot_read():
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        parse_replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'dp'}", 8)
+    with pytest.raises(ValueError, match="not a permutation"):
+        parse_replica_groups("replica_groups=mesh[x=2,y=2], device_ids=(0,1,1,2) {x}", 4)
+
+
+MESH_LITERAL = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: f32[8,256]) -> (f32[2,256], f32[16,256], f32[8,256], f32[8,256]) {
+  %a = f32[8,256]{1,0} parameter(0)
+  %rs = f32[2,256]{1,0} reduce-scatter(%a), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true, dimensions={0}, to_apply=%add
+  %ag = f32[16,256]{1,0} all-gather(%a), channel_id=2, replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_2'}, dimensions={0}, use_global_device_ids=true
+  %ar = f32[8,256]{1,0} all-reduce(%a), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}, use_global_device_ids=true, to_apply=%add
+  %cp = f32[8,256]{1,0} collective-permute(%a), channel_id=4, source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}
+  ROOT %t = (f32[2,256]{1,0}, f32[16,256]{1,0}, f32[8,256]{1,0}, f32[8,256]{1,0}) tuple(%rs, %ag, %ar, %cp)
+}
+"""
+
+
+def test_literal_module_with_mesh_replica_groups(mesh):
+    got = {(e["op"], e["axis"]): (e["count"], e["bytes"]) for e in collectives(MESH_LITERAL, mesh)}
+    assert got == {
+        ("reduce-scatter", "tp"): (1, 4 * 2 * 256 * 4),  # input = output x group size 4
+        ("all-gather", "dp"): (1, 16 * 256 * 4),
+        ("all-reduce", "dp+tp"): (1, 8 * 256 * 4),
+        ("collective-permute", "tp"): (1, 8 * 256 * 4),  # source_target_pairs still read as before
+    }
+
+
+def _shard_order(mesh, spec, x) -> list[int]:
+    """HLO device ids (positions in the jit's device assignment, the mesh's flat device order) of
+    the shards of `x` under `spec` on dim 0, in shard order: the order an all-gather must use."""
+    logical = {d: k for k, d in enumerate(mesh.devices.flat)}
+    shards = jax.device_put(x, NamedSharding(mesh, spec)).addressable_shards
+    return [logical[s.device] for s in sorted(shards, key=lambda s: s.index[0].start or 0)]
+
+
+def test_mesh_replica_groups_of_compiled_programs():
+    """GSPMD collectives over transposed mesh axes: XLA prints them with device_ids=(iota)."""
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=AUTO)
+    x = jnp.arange(64.0).reshape(8, 8)
+
+    def compiled(fn, spec, out=P()):
+        f = jax.jit(fn, in_shardings=NamedSharding(mesh, spec), out_shardings=NamedSharding(mesh, out))
+        return f.lower(x).compile().as_text()
+
+    # all-gather of rows sharded over (c, a, b): one group of all 8, ordered as the shards are
+    text = compiled(lambda v: v * 2, P(("c", "a", "b")))
+    (line,) = [ln for ln in text.splitlines() if " all-gather(" in ln]
+    assert "replica_groups=mesh[" in line and "device_ids=(" in line
+    assert parse_replica_groups(line, 8) == [_shard_order(mesh, P(("c", "a", "b")), x)]
+    assert [(e["op"], e["axis"], e["bytes"]) for e in collectives(text, mesh)] == [("all-gather", "a+b+c", 256)]
+
+    # the collective runs over exactly the axes the operand is sharded on
+    cases = [(lambda v: v * 2, P("b"), P(), "all-gather", "b", 8 * 8 * 4),
+             (lambda v: v.sum(1), P(None, ("c", "a")), P(), "all-reduce", "a+c", 8 * 4),
+             (lambda v: v * 2, P(("c", "b"), None), P(None, ("c", "b")), "all-to-all", "b+c", 2 * 8 * 4)]
+    for fn, spec, out, op, axis, nbytes in cases:
+        text = compiled(fn, spec, out)
+        assert "device_ids=(" in text
+        assert [(e["op"], e["axis"], e["bytes"]) for e in collectives(text, mesh)] == [(op, axis, nbytes)]
