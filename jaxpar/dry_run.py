@@ -15,14 +15,13 @@ import pathlib
 import time
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import hlo
 from jaxpar.config import Config, to_dict
 from jaxpar.models import llama
 from jaxpar.parallel.step import StepBuilder
-
-GB = 1e9
-
+from jaxpar.sharding import tree_specs, unused_mesh_axes
 
 def bytes_by_memory_kind(tree) -> dict[str, int]:
     """Per-device bytes of a tree of sharded ShapeDtypeStructs, grouped by sharding.memory_kind."""
@@ -49,14 +48,11 @@ def zero_formula_bytes(config: Config, psi_local: int, dp: int) -> dict[str, flo
 
 def local_param_count(builder: StepBuilder) -> int:
     """Psi of the ZeRO formulas: parameters one device holds before any dp sharding (tp/pp only)."""
-    mesh, shapes = builder.mesh, llama.param_shapes(builder.config.model)
-    from jaxpar.sharding import tree_specs, unused_mesh_axes
-    from jax.sharding import NamedSharding
-
-    specs = tree_specs(builder.axes, False, unused_mesh_axes(mesh))
-    leaves = jax.tree.leaves(jax.tree.map(lambda shape, spec: math.prod(NamedSharding(mesh, spec).shard_shape(shape)),
-                                          shapes, specs, is_leaf=lambda x: isinstance(x, tuple) and not hasattr(x, "_fields")))
-    return int(sum(leaves))
+    specs = tree_specs(builder.axes, False, unused_mesh_axes(builder.mesh))
+    shapes = llama.param_shapes(builder.config.model)
+    counts = jax.tree.map(lambda spec, shape: math.prod(NamedSharding(builder.mesh, spec).shard_shape(shape)),
+                          specs, shapes, is_leaf=lambda x: isinstance(x, P))
+    return int(sum(jax.tree.leaves(counts)))
 
 
 def dry_run(config: Config, mesh) -> dict:
@@ -107,19 +103,20 @@ def dry_run(config: Config, mesh) -> dict:
 
 def format_report(report: dict) -> str:
     pd, an = report["per_device_bytes"], report["analytic_bytes"]
+    b = hlo.human_bytes
     mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
     lines = [
-        f"dry run: {report['param_count'] / 1e9:.3f}B params on {report['devices']} {report['platform']} devices "
+        f"dry run: {report['param_count']:,} params on {report['devices']} {report['platform']} devices "
         f"({mesh}), ZeRO-{report['zero_stage']}, {report['precision']}; compiled in {report['compile_s']:.1f}s",
-        "per-device bytes (GB):",
-        f"  params     {pd['params'] / GB:9.3f}   (ZeRO formula {an['params'] / GB:.3f})",
-        f"  opt_state  {pd['opt_state'] / GB:9.3f}   (ZeRO formula {an['opt_state'] / GB:.3f}; host {pd['opt_state_host'] / GB:.3f})",
-        f"  grads      {'(in temp)':>9}   (ZeRO formula {an['grads'] / GB:.3f})",
-        f"  argument   {pd['argument'] / GB:9.3f}",
-        f"  output     {pd['output'] / GB:9.3f}   (aliased {pd['alias'] / GB:.3f})",
-        f"  temp       {pd['temp'] / GB:9.3f}",
-        f"  peak       {pd['peak'] / GB:9.3f}   (argument + output - alias + temp)",
-        "collectives per step (optimised program):",
+        "per-device bytes:",
+        f"  params     {b(pd['params']):>12}   (ZeRO formula {b(an['params'])})",
+        f"  opt_state  {b(pd['opt_state']):>12}   (ZeRO formula {b(an['opt_state'])}; on host {b(pd['opt_state_host'])})",
+        f"  grads      {'(in temp)':>12}   (ZeRO formula {b(an['grads'])})",
+        f"  argument   {b(pd['argument']):>12}",
+        f"  output     {b(pd['output']):>12}   (aliased with arguments: {b(pd['alias'])})",
+        f"  temp       {b(pd['temp']):>12}",
+        f"  peak       {b(pd['peak']):>12}   (argument + output - alias + temp)",
+        "collectives per step (optimised program; XLA:CPU shows bf16 collectives as f32):",
         hlo.summarize(report["collectives"]),
     ]
     return "\n".join(lines)

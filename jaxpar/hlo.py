@@ -385,7 +385,7 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
     return out
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
     k = min(3, int(np.log2(max(n, 1)) // 10))
     return f"{n:.0f} B" if k == 0 else f"{n / 1024 ** k:.2f} {('KiB', 'MiB', 'GiB')[k - 1]}"
 
@@ -397,6 +397,6 @@ def summarize(entries: list[dict]) -> str:
     rows = [("op", "axis", "dtype", "count", "bytes/device")]
     for e in entries:
         flag = " (trip count unknown)" if e.get("trip_count_unknown") else ""
-        rows.append((e["op"], e["axis"], e["dtype"], str(e["count"]), _human(e["bytes"]) + flag))
+        rows.append((e["op"], e["axis"], e["dtype"], str(e["count"]), human_bytes(e["bytes"]) + flag))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows)

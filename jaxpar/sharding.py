@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 RULES: dict[str, str | None] = {
     "vocab": "tp",
@@ -79,15 +79,3 @@ class StateSpecs:
         self.params = tree_specs(axes_tree, stage >= 3, unused)
         self.grads = tree_specs(axes_tree, stage >= 2, unused)
         self.opt = tree_specs(axes_tree, stage >= 1, unused)  # also the fp32 master weights
-
-
-def shard_bytes(abstract_tree: Any) -> int:
-    """Per-device bytes of a tree of sharded arrays / ShapeDtypeStructs (first device's shard)."""
-    total = 0
-    for leaf in jax.tree.leaves(abstract_tree):
-        shape = leaf.sharding.shard_shape(leaf.shape)
-        count = 1
-        for dim in shape:
-            count *= dim
-        total += count * leaf.dtype.itemsize
-    return total

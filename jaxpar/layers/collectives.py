@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.sharding import is_axes_leaf
+
 ZERO3_GATHERED = "zero3_gathered"  # checkpoint name of all-gathered ZeRO-3 weights: never saved for backward
 
 
@@ -46,10 +48,6 @@ def _reduce_scatter_grad(axis: str, dim: int):
     return tap
 
 
-def _is_axes(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
-
-
 @dataclasses.dataclass(frozen=True)
 class Collectives:
     tp_axis: str | None = None  # tensor-parallel mesh axis (row-parallel outputs are summed over it)
@@ -78,7 +76,7 @@ class Collectives:
             def use(axes, pair):
                 full, shard = pair
                 return _reduce_scatter_grad(self.zero2_axis, axes.index(self.zero_logical_axis))(full, shard)
-            return jax.tree.map(use, logical_axes, params, is_leaf=_is_axes)
+            return jax.tree.map(use, logical_axes, params, is_leaf=is_axes_leaf)
         if not self.zero3_axis:
             return params
 

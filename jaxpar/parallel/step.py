@@ -31,7 +31,7 @@ from jaxpar.models import llama
 from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import schedule as pipeline_schedule
 from jaxpar.parallel.pipeline import Pipeline
-from jaxpar.sharding import DP, StateSpecs, zero_dim, is_axes_leaf
+from jaxpar.sharding import DP, StateSpecs, zero_dim
 
 
 @flax.struct.dataclass
