@@ -73,12 +73,12 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RematConfig:
-    """Activation checkpointing per layer: `none` keeps everything, `full` keeps only each layer's input."""
+    """Activation checkpointing per layer (none, dots, selective, offload, full; see jaxpar.parallel.remat)."""
 
     policy: str = "none"
 
 
-REMAT_POLICIES = ("none", "full")
+REMAT_POLICIES = ("none", "dots", "selective", "offload", "full")  # jaxpar.parallel.remat
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -88,6 +88,14 @@ class PipelineConfig:
 
     schedule: str = "1f1b"
     microbatches: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """ZeRO-Offload: keep the optimizer state (and the fp32 master weights) in pinned host memory."""
+
+    optimizer: bool = False
+    master_weights: bool = True  # with optimizer=true and precision=bf16: the fp32 master goes to host too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +114,7 @@ class Config:
     model: ModelConfig = ModelConfig()
     remat: RematConfig = RematConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    offload: OffloadConfig = OffloadConfig()
     hardware: HardwareConfig = HardwareConfig()
 
 

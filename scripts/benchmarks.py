@@ -3,6 +3,8 @@
     python scripts/benchmarks.py zero_memory        # llama7b, dp=8, ZeRO 0-3: dry-run bytes vs the formula
     python scripts/benchmarks.py pipeline_memory    # temp bytes vs m, 1F1B vs GPipe, p=4
     python scripts/benchmarks.py step_time          # llama_tiny step-time ratios (alternating, one process)
+    python scripts/benchmarks.py remat_memory       # llama7b dry-run bytes per remat policy and with optimizer offload
+    python scripts/benchmarks.py remat_time         # llama_tiny step time per remat policy / offload vs none
 """
 
 import dataclasses
@@ -14,7 +16,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from jaxpar.config import ModelConfig, PipelineConfig, load_config  # noqa: E402
+from jaxpar.config import ModelConfig, OffloadConfig, RematConfig, load_config  # noqa: E402
 from jaxpar.data.synthetic import synthetic_batch  # noqa: E402
 from jaxpar.dry_run import dry_run  # noqa: E402
 from jaxpar.mesh import Layout  # noqa: E402
@@ -111,5 +113,34 @@ def step_time():
         print(f"| {name} | {seconds * 1e3:.1f} | {seconds / pp['(1,1,1)']:.2f} | {ideal:.3f} |")
 
 
+def variants(base):
+    """Each remat policy, then optimizer offload (with selective remat), on the same layout."""
+    out = {policy: dataclasses.replace(base, remat=RematConfig(policy=policy))
+           for policy in ("none", "dots", "selective", "offload", "full")}
+    out["selective + offload.optimizer"] = dataclasses.replace(out["selective"], offload=OffloadConfig(optimizer=True))
+    return out
+
+
+def remat_memory():
+    base = load_config("llama7b.py")
+    print(f"llama7b, mesh {base.mesh}, ZeRO-{base.zero.stage}, {base.precision}, "
+          f"batch {base.train.global_batch_size} x {base.train.seq_len}")
+    print("| remat | device opt_state | host opt_state | temp | peak |")
+    print("|---|---|---|---|---|")
+    for name, config in variants(base).items():
+        pd = dry_run(config, mesh_for(config))["per_device_bytes"]
+        print(f"| {name} | {pd['opt_state'] / GB:.2f} | {pd['opt_state_host'] / GB:.2f} | {pd['temp'] / GB:.2f} | "
+              f"{pd['peak'] / GB:.2f} |")
+
+
+def remat_time():
+    times = time_alternating(variants(load_config("llama_tiny.py")))
+    print("| remat | median step (ms) | relative to none |")
+    print("|---|---|---|")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / times['none']:.2f} |")
+
+
 if __name__ == "__main__":
-    {"zero_memory": zero_memory, "pipeline_memory": pipeline_memory, "step_time": step_time}[sys.argv[1]]()
+    {"zero_memory": zero_memory, "pipeline_memory": pipeline_memory, "step_time": step_time,
+     "remat_memory": remat_memory, "remat_time": remat_time}[sys.argv[1]]()

@@ -25,6 +25,7 @@ OTHER_KEYS = {
     "train.b2": float, "train.eps": float, "train.grad_clip": float, "train.grad_accum": int, "train.log_every": int,
     "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float, "remat.policy": str,
     "hardware.peak_tflops": float, "pipeline.schedule": str, "pipeline.microbatches": int,
+    "offload.optimizer": bool, "offload.master_weights": bool,
 }
 
 

@@ -26,12 +26,16 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config
-from jaxpar.layers.collectives import ZERO3_GATHERED, Collectives
+from jaxpar.errors import ConfigError
+from jaxpar.layers.collectives import Collectives
 from jaxpar.models import llama
 from jaxpar.optim import lr_schedule, make_optimizer
-from jaxpar.parallel import schedule as pipeline_schedule
+from jaxpar.parallel import remat, schedule as pipeline_schedule
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.sharding import DP, StateSpecs, zero_dim
+
+
+HOST = "pinned_host"  # memory kind of offloaded optimizer state
 
 
 @flax.struct.dataclass
@@ -46,13 +50,14 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
-def _zero3_save_all_but_gathered_weights(prim, *_, **params) -> bool:
-    """Save every residual except all-gathered ZeRO-3 weights (and their checkpoint_name alias), so
-    the backward re-gathers them as DeepSpeed does. (jax 0.10's save_anything_except_these_names
-    saves everything, so it cannot be used here.)"""
-    if prim is jax.lax.all_gather_p:
-        return False
-    return not (prim.name == "name" and params.get("name") == ZERO3_GATHERED)
+def _check_host_memory(config: Config, mesh) -> None:
+    """Offload needs a host memory space on the devices; say so at start, not in XLA."""
+    wants = [key for key, on in (("offload.optimizer=true", config.offload.optimizer),
+                                  ("remat.policy=offload", config.remat.policy == "offload")) if on]
+    device = mesh.devices.flat[0]
+    if wants and HOST not in {m.kind for m in device.addressable_memories()}:
+        raise ConfigError(f"{' and '.join(wants)} needs '{HOST}' memory, which {device.platform.upper()} devices "
+                          f"here do not have; turn offload off")
 
 
 class StepBuilder:
@@ -68,6 +73,7 @@ class StepBuilder:
         self.schedule = lr_schedule(config.train)
         self.bf16 = config.precision == "bf16"
         self.compute_dtype = jnp.bfloat16 if self.bf16 else jnp.float32
+        _check_host_memory(config, mesh)
         self.dp_axis = DP if mesh.shape[DP] > 1 else None  # no dp collectives at all when dp == 1
         self.gathers_weights = self.stage >= 3 and self.dp_axis is not None  # ZeRO-3 with something to gather
         self.batch_spec = P(self.dp_axis, None)  # [batch, seq]: batch over dp
@@ -76,22 +82,28 @@ class StepBuilder:
         self.taps_grads = self.stage == 2 and self.dp_axis is not None and mesh.shape["pp"] == 1
 
     # ------------------------------------------------------------------ state layout
-    def _named(self, specs):
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+    def _named(self, specs, memory_kind: str | None = None):
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=memory_kind), specs, is_leaf=_is_spec)
 
     def _opt_target_specs(self):
         """The tree the optimizer updates: fp32 master (bf16) or the params themselves (fp32)."""
         return self.specs.opt if self.bf16 else self.specs.params
 
-    def state_shardings(self) -> TrainState:
+    def _opt_state_specs(self):
         abstract_opt = jax.eval_shape(self.tx.init, self._abstract_params(jnp.float32))
-        opt_specs = optax.tree_map_params(self.tx, lambda _, spec: spec, abstract_opt, self.specs.opt,
-                                          transform_non_params=lambda _: P(), is_leaf=_is_spec)
+        return optax.tree_map_params(self.tx, lambda _, spec: spec, abstract_opt, self.specs.opt,
+                                     transform_non_params=lambda _: P(), is_leaf=_is_spec)
+
+    def state_shardings(self, on_device: bool = False) -> TrainState:
+        """Where the state lives between steps; `on_device` gives the layout the update runs in."""
+        offload = self.config.offload
+        opt_kind = HOST if offload.optimizer and not on_device else None
+        master_kind = HOST if offload.optimizer and offload.master_weights and not on_device else None
         return TrainState(
             step=NamedSharding(self.mesh, P()),
             params=self._named(self.specs.params),
-            master=self._named(self.specs.opt) if self.bf16 else None,
-            opt_state=self._named(opt_specs),
+            master=self._named(self.specs.opt, master_kind) if self.bf16 else None,
+            opt_state=self._named(self._opt_state_specs(), opt_kind),
         )
 
     def _abstract_params(self, dtype):
@@ -138,12 +150,8 @@ class StepBuilder:
                            zero2_axis=DP if self.taps_grads else None)
 
     def remat_policy(self):
-        """The per-layer jax.checkpoint policy; ZeRO-3 never keeps gathered weights for backward."""
-        if self.config.remat.policy == "full":
-            return jax.checkpoint_policies.nothing_saveable
-        if self.gathers_weights:
-            return _zero3_save_all_but_gathered_weights
-        return None
+        """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""
+        return remat.layer_policy(self.config.remat.policy, regathers_weights=self.gathers_weights)
 
     def _reduce_grads_over_dp(self, grads):
         reduce_dtype = self.compute_dtype
@@ -217,6 +225,10 @@ class StepBuilder:
         grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.opt))
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grad_norm = optax.tree.norm(grads)
+        if self.config.offload.optimizer:  # host -> device for the update only; outputs go back to host
+            on_device = self.state_shardings(on_device=True)
+            state = state.replace(opt_state=jax.device_put(state.opt_state, on_device.opt_state),
+                                  master=jax.device_put(state.master, on_device.master))
         target = state.master if self.bf16 else state.params
         updates, opt_state = self.tx.update(grads, state.opt_state, target)
         target = optax.apply_updates(target, updates)

@@ -1,0 +1,61 @@
+"""Activation checkpointing policies, applied per layer inside the layer scan and pipeline stages.
+
+A policy decides which intermediates of a layer's forward are kept for its backward; everything
+else is recomputed. Policies are built from the `checkpoint_name` tags in the model
+(jaxpar/layers/attention.py, mlp.py), so a new policy is a list of names:
+
+| policy      | kept for backward                                                     | recomputed                      |
+|-------------|-----------------------------------------------------------------------|---------------------------------|
+| `none`      | everything                                                            | nothing                         |
+| `dots`      | every matmul output, attention scores and probabilities included      | norms, RoPE, softmax, SwiGLU    |
+| `selective` | linear-layer outputs (Megatron's selective recompute)                 | core attention (QK^T, softmax, xV), norms, RoPE, SwiGLU |
+| `offload`   | as `selective`, but the kept tensors wait in pinned host memory       | as `selective`                  |
+| `full`      | only each layer's input                                               | the whole layer                 |
+
+ZeRO-3's all-gathered weights are never kept, whatever the policy: they are gathered again.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from jaxpar.layers.collectives import ZERO3_GATHERED
+
+# Outputs of the linear layers of one decoder layer (checkpoint_name tags in the model).
+LINEAR_OUTPUTS = ("query_proj", "key_proj", "value_proj", "attention_out", "attention_proj",
+                  "mlp_gate", "mlp_up", "mlp_out")
+POLICIES = ("none", "dots", "selective", "offload", "full")
+
+
+def base_policy(name: str) -> Callable | None:
+    """The jax.checkpoint policy for `name`; None means no checkpointing at all."""
+    policies = jax.checkpoint_policies
+    if name == "none":
+        return None
+    if name == "full":
+        return policies.nothing_saveable
+    if name == "dots":
+        return policies.checkpoint_dots
+    if name == "selective":
+        return policies.save_only_these_names(*LINEAR_OUTPUTS)
+    if name == "offload":
+        return policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(LINEAR_OUTPUTS),
+            offload_src="device", offload_dst="pinned_host")
+    raise ValueError(f"unknown remat policy '{name}'; use one of {', '.join(POLICIES)}")
+
+
+def layer_policy(name: str, regathers_weights: bool) -> Callable | None:
+    """`name`'s policy; with ZeRO-3 weight gathers, additionally never keep a gathered weight."""
+    base = base_policy(name)
+    if not regathers_weights:
+        return base
+
+    def policy(prim, *args, **params):
+        if prim is jax.lax.all_gather_p or (prim.name == "name" and params.get("name") == ZERO3_GATHERED):
+            return False
+        return True if base is None else base(prim, *args, **params)
+
+    return policy
