@@ -134,11 +134,15 @@ def remat_memory():
 
 
 def remat_time():
-    times = time_alternating(variants(load_config("llama_tiny.py")))
-    print("| remat | median step (ms) | relative to none |")
-    print("|---|---|---|")
-    for name, seconds in times.items():
-        print(f"| {name} | {seconds * 1e3:.1f} | {seconds / times['none']:.2f} |")
+    tiny = load_config("llama_tiny.py")
+    wider = dataclasses.replace(tiny, model=dataclasses.replace(tiny.model, d_model=256, d_ff=1024, n_layers=4),
+                                train=dataclasses.replace(tiny.train, seq_len=256, global_batch_size=8))
+    for label, base, rounds in (("llama_tiny", tiny, 30), ("llama_tiny widened: d_model 256, 4 layers, 8 x 256 tokens",
+                                                           wider, 8)):
+        times = time_alternating(variants(base), rounds=rounds)
+        print(f"\n{label}, mesh {base.mesh}\n\n| remat | median step (ms) | relative to none |\n|---|---|---|")
+        for name, seconds in times.items():
+            print(f"| {name} | {seconds * 1e3:.1f} | {seconds / times['none']:.2f} |")
 
 
 if __name__ == "__main__":
