@@ -51,7 +51,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # by the global norm over all shards; 0 disables
     grad_accum: int = 1  # microsteps per optimizer step (gradient accumulation)
-    log_every: int = 1
+    log_every: int = 1  # metrics are fetched (a host sync) and written every N steps and at the last
 
 
 @dataclasses.dataclass(frozen=True)

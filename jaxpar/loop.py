@@ -33,32 +33,45 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
     peak = peak_flops_per_device(config.hardware.peak_tflops)
     progress = tqdm(total=train_cfg.steps, disable=not (is_main and show_progress), unit="step",
                     desc=f"compiled in {compile_s:.1f}s; training")
-    records, pending = [], None
-    last_time = time.perf_counter()
-    for step in range(train_cfg.steps):
-        state, metrics = step_fn(state, data.batch(step))
-        if pending is not None:
-            last_time = _finish_step(pending, last_time, records, writer, progress, tokens_per_step,
-                                     flops_per_step, mesh.size, peak)
-        pending = (step + 1, metrics)
-    _finish_step(pending, last_time, records, writer, progress, tokens_per_step, flops_per_step, mesh.size, peak)
+    logger = StepLogger(writer, progress, tokens_per_step, flops_per_step, mesh.size, peak, train_cfg.log_every)
+    for step in range(1, train_cfg.steps + 1):
+        state, metrics = step_fn(state, data.batch(step - 1))
+        logger.flush()  # the previous logged step's metrics, fetched while this step runs
+        logger.submit(step, metrics, is_last=step == train_cfg.steps)
+    logger.flush()
     progress.close()
     writer.close()
-    return records
+    return logger.records
 
 
-def _finish_step(pending, last_time, records, writer, progress, tokens_per_step, flops_per_step,
-                 n_devices, peak) -> float:
-    """Fetch one step's metrics (this is the only host sync), log them, return the fetch time."""
-    step, metrics = pending
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    now = time.perf_counter()
-    step_time = now - last_time
-    record = {"step": step, **values, "step_time_s": step_time,
-              "tokens_per_s": tokens_per_step / step_time,
-              "mfu": mfu(flops_per_step, step_time, n_devices, peak)}
-    records.append(record)
-    writer.write(record)
-    progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-    progress.update(1)
-    return now
+class StepLogger:
+    """Logs every `every`-th step (and the last). Fetching a step's metrics is the loop's only host
+    sync, and it happens one step late, so the device always has the next step queued."""
+
+    def __init__(self, writer, progress, tokens_per_step, flops_per_step, n_devices, peak, every):
+        self.writer, self.progress, self.every = writer, progress, every
+        self.tokens_per_step, self.flops_per_step, self.n_devices, self.peak = (
+            tokens_per_step, flops_per_step, n_devices, peak)
+        self.records, self.pending = [], None
+        self.last_step, self.last_time = 0, time.perf_counter()
+
+    def submit(self, step: int, metrics: dict, is_last: bool) -> None:
+        if step % self.every == 0 or is_last:
+            self.pending = (step, metrics)
+
+    def flush(self) -> None:
+        if self.pending is None:
+            return
+        step, metrics = self.pending
+        self.pending = None
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        step_time = (now - self.last_time) / (step - self.last_step)  # mean over the steps since the last log
+        record = {"step": step, **values, "step_time_s": step_time,
+                  "tokens_per_s": self.tokens_per_step / step_time,
+                  "mfu": mfu(self.flops_per_step, step_time, self.n_devices, self.peak)}
+        self.records.append(record)
+        self.writer.write(record)
+        self.progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        self.progress.update(step - self.last_step)
+        self.last_step, self.last_time = step, now

@@ -85,10 +85,6 @@ class StepBuilder:
     def _named(self, specs, memory_kind: str | None = None):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind=memory_kind), specs, is_leaf=_is_spec)
 
-    def _opt_target_specs(self):
-        """The tree the optimizer updates: fp32 master (bf16) or the params themselves (fp32)."""
-        return self.specs.opt if self.bf16 else self.specs.params
-
     def _opt_state_specs(self):
         abstract_opt = jax.eval_shape(self.tx.init, self._abstract_params(jnp.float32))
         return optax.tree_map_params(self.tx, lambda _, spec: spec, abstract_opt, self.specs.opt,
