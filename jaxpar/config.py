@@ -65,6 +65,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    kind: str = "llama"  # llama | vla (ViT + projector + this LLM; groups vision, projector, actions)
+    prefix_lm: bool = True  # vla: image + instruction attend bidirectionally, actions causally
+    text_loss: bool = False  # vla: also train on the instruction tokens, not only the actions
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +91,35 @@ class PipelineConfig:
 
     schedule: str = "1f1b"
     microbatches: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """ViT encoder + projector of a VLA; data-parallel over every device, tensor-parallel over `tp`."""
+
+    image_size: int = 32
+    patch_size: int = 8
+    channels: int = 3
+    cameras: int = 1
+    width: int = 64
+    depth: int = 2
+    n_heads: int = 4
+    mlp_dim: int = 256
+    projector_dim: int = 128
+    tp: int = 1  # 1 (pure data parallel over all devices) or mesh.tp (Megatron layout on the tp axis)
+    zero: ZeroConfig = ZeroConfig()  # 0-2, over all devices not used by the vision tp
+    remat: RematConfig = RematConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionConfig:
+    """Continuous actions discretised into `bins` per dim, mapped to the last `bins` vocabulary ids."""
+
+    dims: int = 7  # e.g. 6-DoF end-effector delta + gripper
+    bins: int = 256
+    low: float = -1.0
+    high: float = 1.0
+    instruction_len: int = 8  # instruction tokens per example (padded / truncated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +147,8 @@ class Config:
     remat: RematConfig = RematConfig()
     pipeline: PipelineConfig = PipelineConfig()
     offload: OffloadConfig = OffloadConfig()
+    vision: VisionConfig = VisionConfig()
+    actions: ActionConfig = ActionConfig()
     hardware: HardwareConfig = HardwareConfig()
 
 
@@ -302,6 +336,7 @@ def _validate_layout(config: Config) -> None:
     _require(model.n_layers % mesh.pp == 0,
              f"mesh.pp={mesh.pp} does not divide model.n_layers={model.n_layers}; use a pp that divides it")
     _validate_pipeline(config)
+    _validate_vla(config)
     splits = ("mesh.dp x pipeline.microbatches", config.pipeline.microbatches) if mesh.pp > 1 else \
         ("mesh.dp x train.grad_accum", train.grad_accum)
     per_step = mesh.dp * splits[1]
@@ -312,6 +347,42 @@ def _validate_layout(config: Config) -> None:
         _require(model.d_model % mesh.dp == 0,
                  f"zero.stage={config.zero.stage} shards states over dp on the d_model dim, but mesh.dp={mesh.dp} "
                  f"does not divide model.d_model={model.d_model}; pick a dp that divides it or zero.stage=0")
+
+
+def _validate_vla(config: Config) -> None:
+    model, vis, act, mesh = config.model, config.vision, config.actions, config.mesh
+    _require(model.kind in ("llama", "vla"), f"model.kind='{model.kind}' is unknown; use llama or vla")
+    if model.kind != "vla":
+        return
+    _require(vis.image_size % vis.patch_size == 0, f"vision.image_size={vis.image_size} is not divisible by "
+                                                   f"vision.patch_size={vis.patch_size}; pick sizes that tile")
+    _require(vis.width % vis.n_heads == 0, f"vision.width={vis.width} is not divisible by "
+                                           f"vision.n_heads={vis.n_heads}")
+    _require(vis.tp in (1, mesh.tp), f"vision.tp={vis.tp} must be 1 or mesh.tp={mesh.tp} (the vision encoder "
+                                     f"is tensor-parallel on the tp axis or not at all)")
+    for key in ("n_heads", "mlp_dim"):
+        _require(getattr(vis, key) % vis.tp == 0, f"vision.tp={vis.tp} does not divide vision.{key}="
+                                                  f"{getattr(vis, key)}; choose a vision.tp that divides it")
+    _require(vis.zero.stage in (0, 1, 2), f"vision.zero.stage={vis.zero.stage}: the vision encoder supports "
+                                          f"ZeRO 0, 1 or 2")
+    _require(vis.remat.policy in REMAT_POLICIES, f"vision.remat.policy='{vis.remat.policy}' is unknown; "
+                                                 f"use one of {', '.join(REMAT_POLICIES)}")
+    text_vocab = model.vocab_size - act.bins
+    _require(act.bins >= 2 and text_vocab >= 2,
+             f"actions.bins={act.bins} reserves the last {act.bins} of model.vocab_size={model.vocab_size} ids "
+             f"for actions and leaves {text_vocab} for text; raise model.vocab_size or lower actions.bins")
+    _require(act.dims >= 1 and act.instruction_len >= 1 and act.high > act.low,
+             "actions.dims and actions.instruction_len must be >= 1 and actions.high > actions.low")
+    data_ways = mesh.size // vis.tp  # devices that split the images
+    per_dp = config.train.global_batch_size // mesh.dp
+    _require(per_dp % (data_ways // mesh.dp) == 0,
+             f"train.global_batch_size={config.train.global_batch_size}: the vision encoder splits each dp "
+             f"shard's {per_dp} examples over {data_ways // mesh.dp} devices (mesh.pp x mesh.tp / vision.tp); "
+             f"use a global batch divisible by {data_ways}")
+    if vis.zero.stage >= 1:
+        _require(vis.width % data_ways == 0 and model.d_model % data_ways == 0,
+                 f"vision.zero.stage={vis.zero.stage} shards the vision weights over {data_ways} devices, which "
+                 f"must divide vision.width={vis.width} and model.d_model={model.d_model}")
 
 
 def _validate_pipeline(config: Config) -> None:

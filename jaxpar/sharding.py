@@ -17,6 +17,7 @@ A rule that lands two logical dims of one array on the same mesh axis is an erro
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -35,29 +36,59 @@ ZERO_AXIS = "embed"  # the logical dim that ZeRO shards over dp
 DP = "dp"
 
 
-def logical_to_spec(logical: tuple[str, ...], zero_sharded: bool = False, unused_axes=()) -> P:
-    """PartitionSpec of one array from its logical axes; `zero_sharded` puts ZERO_AXIS over dp.
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """One component's mapping: logical axis -> mesh axis, and where its ZeRO sharding goes."""
+
+    table: dict
+    zero_logical: tuple[str, ...] = (ZERO_AXIS,)  # an array's ZeRO dim: the first of these it has
+    zero_mesh: tuple[str, ...] = (DP,)  # the mesh axes ZeRO shards over
+
+
+LLM_RULES = Rules(RULES)
+
+
+def vision_rules(tensor_parallel: bool) -> Rules:
+    """The VLA's vision encoder + projector: Megatron layout on tp (or replicated), ZeRO over every
+    mesh axis that splits the images (dp, pp, and tp unless the encoder is tensor-parallel)."""
+    tp = "tp" if tensor_parallel else None
+    table = {"vit_embed": None, "vit_heads": tp, "vit_mlp": tp, "vit_layers": None, "patch": None,
+             "patches": None, "proj_mlp": None, "head_dim": None, "embed": None}
+    return Rules(table, ("vit_embed", "embed"), ("dp", "pp") if tensor_parallel else ("dp", "pp", "tp"))
+
+
+def zero_dim(logical: tuple[str, ...], rules: Rules = LLM_RULES) -> int:
+    return next(logical.index(name) for name in rules.zero_logical if name in logical)
+
+
+def logical_to_spec(logical: tuple[str, ...], zero_sharded: bool = False, unused_axes=(),
+                    rules: Rules = LLM_RULES) -> P:
+    """PartitionSpec of one array from its logical axes; `zero_sharded` puts its ZeRO dim over the
+    rules' ZeRO mesh axes.
 
     Mesh axes in `unused_axes` (those of size 1) are left out, so an array is only ever typed as
     varying over axes that really split it.
     """
-    mesh_axes = []
-    for name in logical:
-        if name not in RULES:
-            raise KeyError(f"logical axis '{name}' has no rule in jaxpar.sharding.RULES")
-        axis = DP if (zero_sharded and name == ZERO_AXIS) else RULES[name]
-        if axis is not None and axis in mesh_axes:
-            raise ValueError(f"logical axes {logical} map two dims onto mesh axis '{axis}'")
-        mesh_axes.append(axis)
-    return P(*(None if axis in unused_axes else axis for axis in mesh_axes))
+    zero_at = zero_dim(logical, rules) if zero_sharded else -1
+    zero_mesh = tuple(a for a in rules.zero_mesh if a not in unused_axes)
+    entries, used = [], []
+    for index, name in enumerate(logical):
+        if name not in rules.table:
+            raise KeyError(f"logical axis '{name}' has no rule in jaxpar.sharding")
+        axes = zero_mesh if index == zero_at else tuple(a for a in [rules.table[name]] if a and a not in unused_axes)
+        if set(axes) & set(used):
+            raise ValueError(f"logical axes {logical} map two dims onto mesh axes {axes}")
+        used += axes
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*entries)
 
 
 def is_axes_leaf(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
-def tree_specs(axes_tree: Any, zero_sharded: bool = False, unused_axes=()) -> Any:
-    return jax.tree.map(lambda axes: logical_to_spec(axes, zero_sharded, unused_axes), axes_tree,
+def tree_specs(axes_tree: Any, zero_sharded: bool = False, unused_axes=(), rules: Rules = LLM_RULES) -> Any:
+    return jax.tree.map(lambda axes: logical_to_spec(axes, zero_sharded, unused_axes, rules), axes_tree,
                         is_leaf=is_axes_leaf)
 
 
@@ -65,17 +96,21 @@ def unused_mesh_axes(mesh) -> tuple[str, ...]:
     return tuple(name for name, size in mesh.shape.items() if size == 1)
 
 
-def zero_dim(logical: tuple[str, ...]) -> int:
-    return logical.index(ZERO_AXIS)
-
-
 class StateSpecs:
     """PartitionSpecs of params / grads / optimizer state / master weights for one ZeRO stage."""
 
-    def __init__(self, axes_tree: Any, stage: int, mesh):
+    def __init__(self, axes_tree: Any, stage: int, mesh, rules: Rules = LLM_RULES):
         unused = unused_mesh_axes(mesh)
         self.axes = axes_tree
         self.stage = stage
-        self.params = tree_specs(axes_tree, stage >= 3, unused)
-        self.grads = tree_specs(axes_tree, stage >= 2, unused)
-        self.opt = tree_specs(axes_tree, stage >= 1, unused)  # also the fp32 master weights
+        self.params = tree_specs(axes_tree, stage >= 3, unused, rules)
+        self.grads = tree_specs(axes_tree, stage >= 2, unused, rules)
+        self.opt = tree_specs(axes_tree, stage >= 1, unused, rules)  # also the fp32 master weights
+
+    def merged(self, other: "StateSpecs") -> "StateSpecs":
+        """One component's specs next to another's (disjoint top-level keys)."""
+        out = object.__new__(StateSpecs)
+        out.axes, out.stage = {**self.axes, **other.axes}, self.stage
+        out.params, out.grads, out.opt = ({**a, **b} for a, b in ((self.params, other.params),
+                                                                  (self.grads, other.grads), (self.opt, other.opt)))
+        return out

@@ -24,13 +24,26 @@ def rope(x_BxSxNxH: jax.Array, theta: float) -> jax.Array:
     return rotated.astype(x_BxSxNxH.dtype)
 
 
-def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives) -> jax.Array:
-    """p: wq [D, N, H], wk / wv [D, K, H], wo [N, H, D] (N, K: this tp rank's heads)."""
+def prefix_lm_mask(seq_len: int, prefix_len: int) -> jax.Array:
+    """[1, 1, S, S] bool: causal, except that the first `prefix_len` positions see each other (PaliGemma)."""
+    rows, cols = jnp.arange(seq_len)[:, None], jnp.arange(seq_len)[None, :]
+    return ((cols <= rows) | (cols < prefix_len))[None, None]
+
+
+def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives, prefix_len: int = 0) -> jax.Array:
+    """p: wq [D, N, H], wk / wv [D, K, H], wo [N, H, D] (N, K: this tp rank's heads).
+
+    Causal; with `prefix_len` > 0 the prefix (e.g. image + instruction) attends bidirectionally.
+    """
     q_BxSxNxH = checkpoint_name(jnp.einsum("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
     k_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wk"]), "key_proj")
     v_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wv"]), "value_proj")
     q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta), rope(k_BxSxKxH, rope_theta)
-    o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True)
+    if prefix_len > 0:
+        mask = prefix_lm_mask(x_BxSxD.shape[1], prefix_len)
+        o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask)
+    else:
+        o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True)
     o_BxSxNxH = checkpoint_name(o_BxSxNxH, "attention_out")
     out_BxSxD = jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH, p["wo"])
     return checkpoint_name(coll.tp_sum(out_BxSxD), "attention_proj")

@@ -82,17 +82,18 @@ def param_count(cfg: ModelConfig) -> int:
     return sum(math.prod(s) for s in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
 
 
-def decoder_layer(x_BxSxD: jax.Array, p: dict, cfg: ModelConfig, coll: Collectives) -> jax.Array:
+def decoder_layer(x_BxSxD: jax.Array, p: dict, cfg: ModelConfig, coll: Collectives, prefix_len: int = 0) -> jax.Array:
     p = coll.gather_weights(p, LAYER_AXES)
-    x_BxSxD = x_BxSxD + attention(rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps), p, cfg.rope_theta, coll)
+    h_BxSxD = rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps)
+    x_BxSxD = x_BxSxD + attention(h_BxSxD, p, cfg.rope_theta, coll, prefix_len)
     return x_BxSxD + swiglu_mlp(rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps), p, coll)
 
 
 def run_layers(x_BxSxD: jax.Array, layers: dict, cfg: ModelConfig, coll: Collectives,
-               remat_policy: Callable | None = None) -> jax.Array:
+               remat_policy: Callable | None = None, prefix_len: int = 0) -> jax.Array:
     """Scan the stacked layers; `remat_policy` (a jax.checkpoint policy) wraps each layer if given."""
     def body(x, layer_params):
-        return decoder_layer(x, layer_params, cfg, coll), None
+        return decoder_layer(x, layer_params, cfg, coll, prefix_len), None
 
     if remat_policy is not None:
         body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)

@@ -1,0 +1,98 @@
+"""Vision-language-action model: ViT + projector + the Llama decoder, discretised action tokens.
+
+Sequence: [image tokens | instruction tokens | action tokens]. Continuous actions are discretised
+into `bins` uniform bins per dimension and mapped to the last `bins` vocabulary ids (OpenVLA,
+RT-2). The loss is on the action tokens (and optionally the instruction). With `prefix_lm` the image
++ instruction prefix attends bidirectionally and the actions causally (PaliGemma).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config import ActionConfig, Config
+from jaxpar.layers.collectives import Collectives
+from jaxpar.models import llama, vit
+
+
+class ActionTokenizer:
+    """bins <-> vocabulary ids, and continuous values <-> bins (bin centres on decode)."""
+
+    def __init__(self, cfg: ActionConfig, vocab_size: int):
+        self.cfg, self.first_id = cfg, vocab_size - cfg.bins
+
+    def to_bins(self, actions: np.ndarray) -> np.ndarray:
+        scaled = (np.clip(actions, self.cfg.low, self.cfg.high) - self.cfg.low) / (self.cfg.high - self.cfg.low)
+        return np.minimum((scaled * self.cfg.bins).astype(np.int32), self.cfg.bins - 1)
+
+    def from_bins(self, bins: np.ndarray) -> np.ndarray:
+        width = (self.cfg.high - self.cfg.low) / self.cfg.bins
+        return self.cfg.low + (np.asarray(bins) + 0.5) * width
+
+    def bins_to_tokens(self, bins: np.ndarray) -> np.ndarray:
+        return (np.asarray(bins) + self.first_id).astype(np.int32)
+
+    def tokens_to_bins(self, tokens: np.ndarray) -> np.ndarray:
+        return np.asarray(tokens) - self.first_id
+
+    def is_action(self, tokens) -> np.ndarray:
+        return np.asarray(tokens) >= self.first_id
+
+
+def sequence_layout(config: Config) -> tuple[int, int, int]:
+    """(image tokens, prefix length = image + instruction tokens, LLM sequence length)."""
+    n_image = vit.image_tokens(config.vision)
+    prefix = n_image + config.actions.instruction_len
+    return n_image, prefix, prefix + config.actions.dims - 1
+
+
+def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, actions: np.ndarray) -> dict:
+    """Host batch: images [B, cams, H, W, C], instruction ids [B, T_text], actions [B, dims] in [low, high].
+
+    The LLM sees [image tokens, instruction, actions[:-1]]; position j predicts element j+1, so the
+    targets are [0 x (n_image-1), instruction, actions] and the mask selects the action targets.
+    """
+    tokenizer = ActionTokenizer(config.actions, config.model.vocab_size)
+    action_ids = tokenizer.bins_to_tokens(tokenizer.to_bins(actions))
+    tokens = np.concatenate([instructions.astype(np.int32), action_ids], axis=1)
+    n_image, _, _ = sequence_layout(config)
+    batch_size = tokens.shape[0]
+    targets = np.concatenate([np.zeros((batch_size, n_image - 1), np.int32), tokens], axis=1)
+    mask = tokenizer.is_action(targets).astype(np.float32)
+    if config.model.text_loss:
+        mask[:, n_image - 1:n_image - 1 + instructions.shape[1]] = 1.0
+    mask[:, : n_image - 1] = 0.0
+    return {"images": images.astype(np.float32), "inputs": tokens[:, :-1], "targets": targets, "mask": mask}
+
+
+def synthetic_batch(config: Config, step: int, batch_size: int) -> dict:
+    """Deterministic stand-in data until the episode pipeline (issue 7): random scenes, instructions
+    from the text vocabulary, and actions that are a fixed function of the image (learnable)."""
+    vis, act = config.vision, config.actions
+    rng = np.random.default_rng([config.train.seed, step, 7])
+    images = rng.random((batch_size, vis.cameras, vis.image_size, vis.image_size, vis.channels), np.float32)
+    text_vocab = config.model.vocab_size - act.bins
+    instructions = rng.integers(0, text_vocab, (batch_size, act.instruction_len))
+    means = images.reshape(batch_size, -1, vis.channels).mean(axis=1)  # [B, C]
+    actions = np.tanh(4.0 * (np.resize(means, (batch_size, act.dims)) - 0.5))
+    return make_batch(config, images, instructions, actions)
+
+
+def llm_inputs(params: dict, image_tokens_BxIxD: jax.Array, inputs_BxT: jax.Array, coll: Collectives) -> jax.Array:
+    """The first pipeline stage's input: projected image tokens followed by the embedded text/actions."""
+    text_BxTxD = llama.embed_tokens(params, inputs_BxT, coll)
+    return jnp.concatenate([image_tokens_BxIxD.astype(text_BxTxD.dtype), text_BxTxD], axis=1)
+
+
+def loss_sum(params: dict, batch: dict, config: Config, llm_coll: Collectives = Collectives(),
+             vision_coll: Collectives = Collectives(), llm_policy=None, vision_policy=None):
+    """Single-program VLA loss (masked token sum, token count): what the parallel step must equal."""
+    image_tokens = vit.encode(params, batch["images"], config.vision, vision_coll, vision_policy)
+    x = llm_inputs(params, image_tokens, batch["inputs"], llm_coll)
+    _, prefix, _ = sequence_layout(config)
+    x = llama.run_layers(x, params["layers"], config.model, llm_coll, llm_policy,
+                         prefix if config.model.prefix_lm else 0)
+    total = llama.head_loss_sum(params, x, batch["targets"], batch["mask"], config.model, llm_coll)
+    return total, jnp.sum(batch["mask"])
