@@ -86,13 +86,20 @@ def llm_inputs(params: dict, image_tokens_BxIxD: jax.Array, inputs_BxT: jax.Arra
     return jnp.concatenate([image_tokens_BxIxD.astype(text_BxTxD.dtype), text_BxTxD], axis=1)
 
 
+def prefix_len(config: Config) -> int:
+    return sequence_layout(config)[1] if config.model.prefix_lm else 0
+
+
+def llm_loss_sum(params: dict, image_tokens_BxIxD: jax.Array, batch: dict, config: Config,
+                 coll: Collectives = Collectives(), policy=None) -> jax.Array:
+    """The LLM part: masked sum of token losses given the projected image tokens."""
+    x = llm_inputs(params, image_tokens_BxIxD, batch["inputs"], coll)
+    x = llama.run_layers(x, params["layers"], config.model, coll, policy, prefix_len(config))
+    return llama.head_loss_sum(params, x, batch["targets"], batch["mask"], config.model, coll)
+
+
 def loss_sum(params: dict, batch: dict, config: Config, llm_coll: Collectives = Collectives(),
              vision_coll: Collectives = Collectives(), llm_policy=None, vision_policy=None):
     """Single-program VLA loss (masked token sum, token count): what the parallel step must equal."""
     image_tokens = vit.encode(params, batch["images"], config.vision, vision_coll, vision_policy)
-    x = llm_inputs(params, image_tokens, batch["inputs"], llm_coll)
-    _, prefix, _ = sequence_layout(config)
-    x = llama.run_layers(x, params["layers"], config.model, llm_coll, llm_policy,
-                         prefix if config.model.prefix_lm else 0)
-    total = llama.head_loss_sum(params, x, batch["targets"], batch["mask"], config.model, llm_coll)
-    return total, jnp.sum(batch["mask"])
+    return llm_loss_sum(params, image_tokens, batch, config, llm_coll, llm_policy), jnp.sum(batch["mask"])

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxpar.config import ModelConfig
 from jaxpar.layers.collectives import Collectives, after
-from jaxpar.models import llama
+from jaxpar.models import llama, vla
 from jaxpar.parallel.schedule import Schedule
 
 PP = "pp"
@@ -36,8 +36,9 @@ class Pipeline:
     """Loss and local gradients of one dp shard's batch, pipelined over pp (call inside shard_map)."""
 
     def __init__(self, schedule: Schedule, cfg: ModelConfig, coll: Collectives, remat_policy: Callable | None,
-                 varying_axes: tuple[str, ...]):
+                 varying_axes: tuple[str, ...], prefix_len: int = 0):
         self.schedule, self.cfg, self.coll, self.policy = schedule, cfg, coll, remat_policy
+        self.prefix_len = prefix_len  # VLA: image + instruction prefix attends bidirectionally
         self.p, self.m = schedule.stages, schedule.microbatches
         self.varying = varying_axes  # the manual axes activations vary over (pp, and dp when dp > 1)
         self.slots = 2 * self.p - 1  # 1F1B ring buffer: stage 0 holds 2(p-1)+1 microbatches at most
@@ -46,10 +47,19 @@ class Pipeline:
 
     # --------------------------------------------------------------- pieces
     def _stage(self, layers, x_BxSxD):
-        return llama.run_layers(x_BxSxD, layers, self.cfg, self.coll, self.policy)
+        return llama.run_layers(x_BxSxD, layers, self.cfg, self.coll, self.policy, self.prefix_len)
 
-    def _embed(self, table, ids_BxS):
-        return llama.embed_tokens({"embed": table}, ids_BxS, self.coll)
+    def _first_input(self, table, image_tokens_BxIxD, ids_BxS):
+        """Stage 0's input: embedded tokens, after the projected image tokens for a VLA."""
+        if image_tokens_BxIxD is None:
+            return llama.embed_tokens({"embed": table}, ids_BxS, self.coll)
+        return vla.llm_inputs({"embed": table}, image_tokens_BxIxD, ids_BxS, self.coll)
+
+    def _micro_images(self, image_tokens):
+        """Image tokens per microbatch, typed per stage (only stage 0 uses them; summed over pp after)."""
+        if image_tokens is None:
+            return None
+        return self._varying(image_tokens.reshape(self.m, -1, *image_tokens.shape[1:]), (PP,))
 
     def _head_loss(self, head, x_BxSxD, targets_BxS, mask_BxS, token_count):
         return llama.head_loss_sum(head, x_BxSxD, targets_BxS, mask_BxS, self.cfg, self.coll) / token_count
@@ -76,20 +86,22 @@ class Pipeline:
         return jax.tree.map(lambda x: x.reshape(m, -1, *x.shape[1:]), batch)
 
     # --------------------------------------------------------------- 1F1B
-    def one_f_one_b(self, params, batch, token_count):
-        """Returns (loss, grads) for this device: grads of its stage's layers, embed/head summed over pp."""
+    def one_f_one_b(self, params, batch, token_count, image_tokens=None):
+        """(loss, grads, image-token cotangent): grads of this stage's layers, embed/head summed over pp."""
         stage = jax.lax.axis_index(PP)
         is_first, is_last = stage == 0, stage == self.p - 1
         micro = self._micro(batch, self.m)
+        images = self._micro_images(image_tokens)
         layers = params["layers"]
         embed, head = self._stage_varying(params)
-        act_shape = micro["inputs"].shape[1:] + (self.cfg.d_model,)
+        act_shape = micro["targets"].shape[1:] + (self.cfg.d_model,)
         act_dtype = embed.dtype
 
         def forward(carry, mb):
             """Forward slot: run microbatch `mb` (or masked garbage) and stash its stage input."""
             valid, index = mb >= 0, jnp.maximum(mb, 0)
-            x_in = jnp.where(is_first, self._embed(embed, micro["inputs"][index]), carry["recv_fwd"])
+            image = None if images is None else images[index]
+            x_in = jnp.where(is_first, self._first_input(embed, image, micro["inputs"][index]), carry["recv_fwd"])
             y = self._stage(layers, x_in)
             slot = index % self.slots
             kept = jnp.where(valid, x_in, carry["stash"][slot])
@@ -102,11 +114,14 @@ class Pipeline:
             cot = jnp.where(is_last, dy_last, carry["recv_bwd"]) * valid.astype(act_dtype)
             _, stage_vjp = jax.vjp(self._stage, layers, x_in)
             d_layers, dx = stage_vjp(cot)
-            _, embed_vjp = jax.vjp(lambda t: self._embed(t, micro["inputs"][index]), embed)
-            (d_embed,) = embed_vjp(dx * is_first.astype(act_dtype))
+            image = None if images is None else images[index]
+            _, input_vjp = jax.vjp(lambda t, im: self._first_input(t, im, micro["inputs"][index]), embed, image)
+            d_embed, d_image = input_vjp(dx * is_first.astype(act_dtype))
             grads = carry["grads"]
             grads = {**grads, "layers": self._add(grads["layers"], d_layers),
                      "embed": self._add(grads["embed"], d_embed)}
+            if images is not None:  # zero unless this is stage 0 with a real microbatch
+                carry = {**carry, "d_image": carry["d_image"].at[index].add(d_image.astype(jnp.float32))}
             return dx, {**carry, "grads": grads}
 
         def loss_slot(carry, y, mb):
@@ -145,12 +160,15 @@ class Pipeline:
                  "stash": self._varying(jnp.zeros((self.slots,) + act_shape, act_dtype)),
                  "grads": self._zeros_f32({"layers": layers, "embed": embed, "head": head}),
                  "loss": self._varying(jnp.zeros((), jnp.float32))}
+        if images is not None:
+            carry["d_image"] = self._varying(jnp.zeros(images.shape, jnp.float32))
         for (name, first, count), tick_fn in zip(self.schedule.phases, (warmup_tick, steady_tick, cooldown_tick)):
             rows = {"F": jnp.asarray(self.schedule.forward[first:first + count]),
                     "B": jnp.asarray(self.schedule.backward[first:first + count])}
             if count:
                 carry, _ = jax.lax.scan(tick_fn, carry, rows)
-        return self._finish(carry["loss"], carry["grads"])
+        d_image = None if images is None else jax.lax.psum(carry["d_image"], PP).reshape(image_tokens.shape)
+        return (*self._finish(carry["loss"], carry["grads"]), d_image)
 
     def _finish(self, loss, grads):
         """Sum the loss and the embed / head gradients over stages (each came from one stage only)."""
@@ -159,7 +177,7 @@ class Pipeline:
         return jax.lax.psum(loss, PP), out
 
     # --------------------------------------------------------------- GPipe
-    def gpipe(self, params, batch, token_count):
+    def gpipe(self, params, batch, token_count, image_tokens=None):
         """All forwards in one scan over ticks, then autodiff: every tick's residuals stay alive (O(m))."""
         stage = jax.lax.axis_index(PP)
         is_first, is_last = stage == 0, stage == self.p - 1
@@ -167,26 +185,31 @@ class Pipeline:
         _, first, count = self.schedule.phases[0]
         rows = jnp.asarray(self.schedule.forward[first:first + count])
 
-        def total_loss(layers, embed, head):
+        def total_loss(layers, embed, head, images):
             def tick(carry, row):
                 recv, loss = carry
                 mb = row[stage]
                 index, weight = jnp.maximum(mb, 0), ((mb >= 0) & is_last).astype(jnp.float32)
-                x_in = jnp.where(is_first, self._embed(embed, micro["inputs"][index]), recv)
+                image = None if images is None else images[index]
+                x_in = jnp.where(is_first, self._first_input(embed, image, micro["inputs"][index]), recv)
                 y = self._stage(layers, x_in)
                 loss = loss + weight * self._head_loss(head, y, micro["targets"][index], micro["mask"][index],
                                                        token_count)
                 return (jax.lax.ppermute(after(y, loss), PP, self.send_next), loss), None  # loss first
 
-            recv = jnp.zeros(micro["inputs"].shape[1:] + (self.cfg.d_model,), embed.dtype)
+            recv = jnp.zeros(micro["targets"].shape[1:] + (self.cfg.d_model,), embed.dtype)
             (_, loss), _ = jax.lax.scan(tick, (self._varying(recv), self._varying(jnp.zeros((), jnp.float32))), rows)
             return loss
 
         embed, head = self._stage_varying(params)
-        loss, (d_layers, d_embed, d_head) = jax.value_and_grad(total_loss, argnums=(0, 1, 2))(
-            params["layers"], embed, head)
-        return self._finish(loss, {"layers": d_layers, "embed": d_embed, "head": d_head})
+        images = self._micro_images(image_tokens)
+        loss, (d_layers, d_embed, d_head, d_images) = jax.value_and_grad(total_loss, argnums=(0, 1, 2, 3))(
+            params["layers"], embed, head, images)
+        d_image = None if images is None else jax.lax.psum(d_images, PP).reshape(image_tokens.shape)
+        return (*self._finish(loss, {"layers": d_layers, "embed": d_embed, "head": d_head}), d_image)
 
-    def loss_and_grads(self, params, batch, token_count):
+    def loss_and_grads(self, params, batch, token_count, image_tokens=None):
+        """(loss, local gradients, cotangent of the image tokens or None) for this device."""
         run = self.one_f_one_b if self.schedule.kind == "1f1b" else self.gpipe
-        return run(params, batch, token_count)
+        batch = {k: batch[k] for k in ("inputs", "targets", "mask")}
+        return run(params, batch, token_count, image_tokens)

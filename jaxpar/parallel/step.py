@@ -28,14 +28,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 from jaxpar.layers.collectives import Collectives
-from jaxpar.models import llama
+from jaxpar.models import llama, vit, vla
 from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import remat, schedule as pipeline_schedule
 from jaxpar.parallel.pipeline import Pipeline
+from jaxpar.parallel.vision import VisionComponent
 from jaxpar.sharding import DP, StateSpecs, zero_dim
 
 
 HOST = "pinned_host"  # memory kind of offloaded optimizer state
+VISION_KEYS = ("vit", "projector")  # the VLA's vision component in the parameter tree
 
 
 @flax.struct.dataclass
@@ -67,8 +69,13 @@ class StepBuilder:
         self.config = config
         self.mesh = mesh
         self.stage = config.zero.stage
-        self.axes = llama.param_axes()
+        self.axes = llama.param_axes()  # the LLM's; the vision component keeps its own
         self.specs = StateSpecs(self.axes, self.stage, mesh)
+        self.vision = VisionComponent(config, mesh) if config.model.kind == "vla" else None
+        if self.vision is not None:
+            self.specs = self.specs.merged(self.vision.specs)
+        self.seq_len = vla.sequence_layout(config)[2] if self.vision is not None else config.train.seq_len
+        self.prefix_len = vla.prefix_len(config) if self.vision is not None else 0
         self.tx = make_optimizer(config.train)
         self.schedule = lr_schedule(config.train)
         self.bf16 = config.precision == "bf16"
@@ -102,12 +109,20 @@ class StepBuilder:
             opt_state=self._named(self._opt_state_specs(), opt_kind),
         )
 
-    def _abstract_params(self, dtype):
+    def _param_shapes(self) -> dict:
         shapes = llama.param_shapes(self.config.model)
+        if self.vision is not None:
+            shapes.update(vit.param_shapes(self.config.vision, self.config.model.d_model))
+        return shapes
+
+    def _abstract_params(self, dtype):
+        shapes = self._param_shapes()
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
 
     def _init(self, key) -> TrainState:
         master = llama.init(self.config.model, key)
+        if self.vision is not None:
+            master.update(vit.init(self.config.vision, self.config.model.d_model, key))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=jax.tree.map(lambda w: w.astype(self.compute_dtype), master),
@@ -131,12 +146,16 @@ class StepBuilder:
         return NamedSharding(self.mesh, self.batch_spec)
 
     def abstract_batch(self) -> dict:
-        train = self.config.train
-        shape = (train.global_batch_size, train.seq_len)
-        sharding = self.batch_sharding()
-        return {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
-                "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding),
-                "mask": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)}
+        """Shapes of one global batch: LLM sequences of `seq_len` (+ images for a VLA)."""
+        batch, seq, sharding = self.config.train.global_batch_size, self.seq_len, self.batch_sharding()
+        shapes = {"inputs": ((batch, seq), jnp.int32), "targets": ((batch, seq), jnp.int32),
+                  "mask": ((batch, seq), jnp.float32)}
+        if self.vision is not None:
+            v = self.config.vision
+            n_image = vit.image_tokens(v)
+            shapes["inputs"] = ((batch, seq - n_image), jnp.int32)
+            shapes["images"] = ((batch, v.cameras, v.image_size, v.image_size, v.channels), jnp.float32)
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
 
     # ------------------------------------------------------------------ loss and gradients
     def collectives(self) -> Collectives:
@@ -160,20 +179,31 @@ class StepBuilder:
         return jax.tree.map(lambda g: jax.lax.psum(g.astype(reduce_dtype), DP), grads)
 
     def _local_loss_and_grads(self, params, batch):
-        """Per-device body of the shard_map: local microbatches, then one reduction over dp.
+        """Per-device body of the shard_map: (vision encoder,) the LLM, then the gradient reductions."""
+        token_count = self._dp_sum(jnp.sum(batch["mask"]))
+        llm_params = {k: v for k, v in params.items() if k not in VISION_KEYS}
+        image_tokens = vision_vjp = None
+        if self.vision is not None:
+            image_tokens, vision_vjp = self.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"])
+        loss, grads, d_image = self._llm_loss_and_grads(llm_params, batch, image_tokens, token_count)
+        grads = self._reduce_grads_over_dp(grads)
+        if vision_vjp is not None:
+            (vision_grads,) = vision_vjp(d_image.astype(image_tokens.dtype))
+            grads.update(self.vision.reduce_grads(vision_grads, self.compute_dtype))
+        return self._dp_sum(loss), grads
+
+    def _llm_loss_and_grads(self, params, batch, image_tokens, token_count):
+        """Loss, the LLM's local gradients and the cotangent of the image tokens (None without images).
 
         With ZeRO-2 grad taps, the gradient is taken w.r.t. a dp-shard-shaped tap per weight instead
         of the (replicated) weight itself, and arrives reduce-scattered layer by layer.
         """
         cfg, accum = self.config.model, self.config.train.grad_accum
         coll, policy = self.collectives(), self.remat_policy()
-        token_count = self._dp_sum(jnp.sum(batch["mask"]))
         if self.dp_axis and not self.gathers_weights:  # local gradients per dp rank; reduced explicitly below
             params = jax.lax.pcast(params, (DP,), to="varying")
-
         if self.mesh.shape["pp"] > 1:
-            loss, grads = self._pipeline(coll, policy).loss_and_grads(params, batch, token_count)
-            return self._dp_sum(loss), self._reduce_grads_over_dp(grads)
+            return self._pipeline(coll, policy).loss_and_grads(params, batch, token_count, image_tokens)
 
         if self.taps_grads:  # the taps' values are never used, only their shape and type
             frozen, dp = jax.lax.stop_gradient(params), self.mesh.shape[DP]
@@ -183,26 +213,30 @@ class StepBuilder:
         else:
             with_weights = lambda p: p  # noqa: E731
 
-        def objective(p, micro):
-            loss, _ = llama.loss_sum(with_weights(p), micro, cfg, coll, policy)
-            return loss / token_count
+        def objective(p, images, micro):
+            if images is None:
+                return llama.loss_sum(with_weights(p), micro, cfg, coll, policy)[0] / token_count
+            return vla.llm_loss_sum(with_weights(p), images, micro, self.config, coll, policy) / token_count
 
+        if image_tokens is not None:  # one microbatch (validated): the encoder ran on the whole batch
+            loss, (grads, d_image) = jax.value_and_grad(objective, argnums=(0, 1))(params, image_tokens, batch)
+            return loss, grads, d_image
         micro_batches = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
-        loss, grads = jax.value_and_grad(objective)(params, jax.tree.map(lambda x: x[0], micro_batches))
+        loss, grads = jax.value_and_grad(objective)(params, None, jax.tree.map(lambda x: x[0], micro_batches))
         if accum > 1:  # accumulate in fp32; a single microbatch keeps compute-dtype grads (2 bytes in bf16)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             def accumulate(carry, micro):
-                loss_i, grads_i = jax.value_and_grad(objective)(params, micro)
+                loss_i, grads_i = jax.value_and_grad(objective)(params, None, micro)
                 return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss_i, grads_i)), None
             rest = jax.tree.map(lambda x: x[1:], micro_batches)
             (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), rest)
-        return self._dp_sum(loss), self._reduce_grads_over_dp(grads)
+        return loss, grads, None
 
     def _pipeline(self, coll, policy) -> Pipeline:
         pipe = self.config.pipeline
         table = pipeline_schedule.build(pipe.schedule, self.mesh.shape["pp"], pipe.microbatches)
         varying = ("pp",) + ((DP,) if self.dp_axis else ())
-        return Pipeline(table, self.config.model, coll, policy, varying)
+        return Pipeline(table, self.config.model, coll, policy, varying, self.prefix_len)
 
     def _dp_sum(self, x):
         return jax.lax.psum(x, DP) if self.dp_axis else x

@@ -1,0 +1,81 @@
+"""The VLA's vision encoder + projector as its own parallel component, on the same devices as the LLM.
+
+Strategy (the seed's table 6.2 idea: a small encoder wants data parallelism, not the LLM's layout):
+- The encoder is tensor-parallel over the `tp` axis when `vision.tp == mesh.tp`, else replicated.
+- Its batch is split over every mesh axis its tp does not use: each dp shard's examples are divided
+  further over pp (and tp), so every device encodes a distinct slice of the images.
+- The projected image tokens are then assembled back into the LLM's layout (dp-sharded, the same on
+  every pp / tp rank) with one sum over the split axes, and enter the first pipeline stage.
+- Backward: the first stage's input cotangent for the image positions comes back the same on every
+  split rank; each device takes its slice and runs the encoder's vjp. Gradients are summed (ZeRO 0/1)
+  or reduce-scattered (ZeRO 2) over all the encoder's data-parallel axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config import Config
+from jaxpar.layers.collectives import Collectives
+from jaxpar.models import vit
+from jaxpar.parallel import remat
+from jaxpar.sharding import StateSpecs, vision_rules, zero_dim
+
+
+class VisionComponent:
+    def __init__(self, config: Config, mesh):
+        vcfg = config.vision
+        sizes = mesh.shape
+        self.config, self.cfg = config, vcfg
+        self.tensor_parallel = vcfg.tp > 1
+        self.rules = vision_rules(self.tensor_parallel)
+        self.axes = vit.param_axes()
+        self.specs = StateSpecs(self.axes, vcfg.zero.stage, mesh, self.rules)
+        self.split_axes = tuple(a for a in (("pp",) if self.tensor_parallel else ("pp", "tp")) if sizes[a] > 1)
+        self.split_sizes = tuple(sizes[a] for a in self.split_axes)
+        self.data_axes = tuple(a for a in ("dp",) if sizes[a] > 1) + self.split_axes
+        self.coll = Collectives(tp_axis="tp" if self.tensor_parallel else None)
+        self.policy = remat.layer_policy(vcfg.remat.policy, regathers_weights=False)
+
+    def describe(self, mesh) -> dict:
+        data = math.prod(mesh.shape[a] for a in self.data_axes)
+        return {"tp": self.cfg.tp, "data_parallel": data, "data_axes": list(self.data_axes),
+                "zero_stage": self.cfg.zero.stage, "remat": self.cfg.remat.policy}
+
+    def _split_index(self):
+        index = jnp.int32(0)
+        for axis, size in zip(self.split_axes, self.split_sizes):
+            index = index * size + jax.lax.axis_index(axis)
+        return index
+
+    def forward(self, params, images):
+        """(image tokens [B_dp, I, D] for this dp shard, the same on every pp / tp rank; their vjp)."""
+        ways = math.prod(self.split_sizes)
+        chunk = images.shape[0] // ways
+        start = self._split_index() * chunk
+        mine = jax.lax.dynamic_slice_in_dim(images, start, chunk, axis=0)
+        if self.data_axes:  # each device's gradient is its own share; summed in reduce_grads
+            params = jax.lax.pcast(params, self.data_axes, to="varying")
+
+        def encode(p):
+            tokens = vit.encode(p, mine, self.cfg, self.coll, self.policy)
+            if not self.split_axes:
+                return tokens
+            full = jnp.zeros((images.shape[0],) + tokens.shape[1:], tokens.dtype)
+            return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(full, tokens, start, axis=0), self.split_axes)
+
+        return jax.vjp(encode, params)
+
+    def reduce_grads(self, grads, dtype):
+        """Sum (ZeRO 0/1) or reduce-scatter (ZeRO 2) the encoder's gradients over its data axes."""
+        if not self.data_axes:
+            return grads
+        if self.cfg.zero.stage >= 2:
+            def scatter(g, axes):
+                return jax.lax.psum_scatter(g.astype(dtype), self.data_axes,
+                                            scatter_dimension=zero_dim(axes, self.rules), tiled=True)
+            return jax.tree.map(scatter, grads, self.axes)
+        return jax.tree.map(lambda g: jax.lax.psum(g.astype(dtype), self.data_axes), grads)
