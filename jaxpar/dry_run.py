@@ -19,8 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import hlo
 from jaxpar.config import Config, to_dict
-from jaxpar.models import llama
-from jaxpar.parallel.step import StepBuilder
+from jaxpar.models import llama, vit
+from jaxpar.metrics import model_flops_per_step
+from jaxpar.parallel.step import VISION_KEYS, StepBuilder
 from jaxpar.sharding import tree_specs, unused_mesh_axes
 
 def bytes_by_memory_kind(tree) -> dict[str, int]:
@@ -55,6 +56,37 @@ def local_param_count(builder: StepBuilder) -> int:
     return int(sum(jax.tree.leaves(counts)))
 
 
+def total_param_count(config: Config) -> int:
+    count = llama.param_count(config.model)
+    if config.model.kind == "vla":
+        count += vit.param_count(config.vision, config.model.d_model)
+    return count
+
+
+def _subtree_bytes(tree, keys) -> dict[str, int]:
+    """Bytes by memory kind of the leaves of `tree` under any top-level parameter key in `keys`."""
+    leaves = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+              if any(getattr(entry, "key", None) in keys for entry in path)]
+    return bytes_by_memory_kind(leaves)
+
+
+def component_report(builder: StepBuilder, state) -> dict:
+    """Each model component's layout and its per-device state bytes (params; master + optimizer)."""
+    config, shape = builder.config, dict(builder.mesh.shape)
+    llm_keys = [k for k in state.params if k not in VISION_KEYS]
+    layouts = {"llm": {"keys": llm_keys, "dp": shape["dp"], "pp": shape["pp"], "tp": shape["tp"],
+                       "zero_stage": config.zero.stage, "remat": config.remat.policy,
+                       "schedule": config.pipeline.schedule if shape["pp"] > 1 else None}}
+    if builder.vision is not None:
+        layouts["vision+projector"] = {"keys": list(VISION_KEYS), **builder.vision.describe(builder.mesh)}
+    for layout in layouts.values():
+        keys = layout.pop("keys")
+        params, opt = _subtree_bytes(state.params, keys), _subtree_bytes((state.master, state.opt_state), keys)
+        layout.update(params_bytes=params.get("device", 0), opt_state_bytes=opt.get("device", 0),
+                      opt_state_host_bytes=opt.get("pinned_host", 0))
+    return layouts
+
+
 def dry_run(config: Config, mesh) -> dict:
     builder = StepBuilder(config, mesh)
     state, batch = builder.abstract_state(), builder.abstract_batch()
@@ -75,19 +107,19 @@ def dry_run(config: Config, mesh) -> dict:
         "temp": mem.temp_size_in_bytes,
     }
     per_device["peak"] = per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"]
-    train = config.train
     return {
         "devices": mesh.size,
         "platform": mesh.devices.flat[0].platform,
         "mesh": dict(mesh.shape),
         "zero_stage": config.zero.stage,
         "precision": config.precision,
-        "param_count": llama.param_count(config.model),
+        "param_count": total_param_count(config),
+        "components": component_report(builder, state),
         "per_device_bytes": per_device,
-        "analytic_bytes": zero_formula_bytes(config, local_param_count(builder), mesh.shape["dp"]),
+        "analytic_bytes": zero_formula_bytes(config, local_param_count(builder), mesh.shape["dp"]),  # the LLM's
         "collectives": hlo.collectives(compiled.as_text(), mesh),
         "collectives_requested": hlo.collectives(lowered.as_text(dialect="hlo"), mesh),
-        "flops_per_step": llama.flops_per_token(config.model, train.seq_len) * train.global_batch_size * train.seq_len,
+        "flops_per_step": model_flops_per_step(config, builder.seq_len),
         "compile_s": compile_s,
         "notes": [
             "params/opt_state: exact, from the state's shard shapes, dtypes and memory kinds",
@@ -109,17 +141,25 @@ def format_report(report: dict) -> str:
         f"dry run: {report['param_count']:,} params on {report['devices']} {report['platform']} devices "
         f"({mesh}), ZeRO-{report['zero_stage']}, {report['precision']}; compiled in {report['compile_s']:.1f}s",
         "per-device bytes:",
-        f"  params     {b(pd['params']):>12}   (ZeRO formula {b(an['params'])})",
-        f"  opt_state  {b(pd['opt_state']):>12}   (ZeRO formula {b(an['opt_state'])}; on host {b(pd['opt_state_host'])})",
-        f"  grads      {'(in temp)':>12}   (ZeRO formula {b(an['grads'])})",
+        f"  params     {b(pd['params']):>12}   (LLM ZeRO formula {b(an['params'])})",
+        f"  opt_state  {b(pd['opt_state']):>12}   (LLM ZeRO formula {b(an['opt_state'])}; on host {b(pd['opt_state_host'])})",
+        f"  grads      {'(in temp)':>12}   (LLM ZeRO formula {b(an['grads'])})",
         f"  argument   {b(pd['argument']):>12}",
         f"  output     {b(pd['output']):>12}   (aliased with arguments: {b(pd['alias'])})",
         f"  temp       {b(pd['temp']):>12}",
         f"  peak       {b(pd['peak']):>12}   (argument + output - alias + temp)",
+        "components:",
+        *(f"  {name:<17} {_layout_text(c)}: params {b(c['params_bytes'])}, optimizer {b(c['opt_state_bytes'])}"
+          f" (+ {b(c['opt_state_host_bytes'])} on host)" for name, c in report["components"].items()),
         "collectives per step (optimised program; XLA:CPU shows bf16 collectives as f32):",
         hlo.summarize(report["collectives"]),
     ]
     return "\n".join(lines)
+
+
+def _layout_text(component: dict) -> str:
+    skip = {"params_bytes", "opt_state_bytes", "opt_state_host_bytes"}
+    return ", ".join(f"{k}={v}" for k, v in component.items() if k not in skip and v is not None)
 
 
 def write_report(report: dict, workdir: pathlib.Path) -> pathlib.Path:

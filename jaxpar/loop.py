@@ -10,8 +10,7 @@ from tqdm import tqdm
 
 from jaxpar.config import Config
 from jaxpar.data.synthetic import SyntheticData
-from jaxpar.metrics import MetricsWriter, mfu, peak_flops_per_device
-from jaxpar.models import llama
+from jaxpar.metrics import MetricsWriter, mfu, model_flops_per_step, peak_flops_per_device
 from jaxpar.parallel.step import StepBuilder
 
 
@@ -20,16 +19,15 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
     train_cfg = config.train
     builder = StepBuilder(config, mesh)
     state = builder.init_state(train_cfg.seed)
-    data = SyntheticData(train_cfg.seed, train_cfg.global_batch_size, train_cfg.seq_len,
-                         config.model.vocab_size, builder.batch_sharding())
+    data = SyntheticData(config, builder.batch_sharding())
     compile_start = time.perf_counter()
     step_fn = builder.jit_train_step().lower(state, data.batch(0)).compile()
     compile_s = time.perf_counter() - compile_start
 
     is_main = jax.process_index() == 0
     writer = MetricsWriter(workdir, enabled=is_main)
-    tokens_per_step = train_cfg.global_batch_size * train_cfg.seq_len
-    flops_per_step = llama.flops_per_token(config.model, train_cfg.seq_len) * tokens_per_step
+    tokens_per_step = train_cfg.global_batch_size * builder.seq_len
+    flops_per_step = model_flops_per_step(config, builder.seq_len)
     peak = peak_flops_per_device(config.hardware.peak_tflops)
     progress = tqdm(total=train_cfg.steps, disable=not (is_main and show_progress), unit="step",
                     desc=f"compiled in {compile_s:.1f}s; training")

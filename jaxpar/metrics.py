@@ -25,6 +25,18 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
     return None
 
 
+def model_flops_per_step(config, seq_len: int) -> float:
+    """Analytic training FLOPs of one step: the LLM over `seq_len` tokens per example, plus the
+    vision encoder and projector of a VLA."""
+    from jaxpar.models import llama, vit
+
+    batch = config.train.global_batch_size
+    flops = llama.flops_per_token(config.model, seq_len) * batch * seq_len
+    if config.model.kind == "vla":
+        flops += vit.flops_per_image_set(config.vision, config.model.d_model) * batch
+    return flops
+
+
 def mfu(flops_per_step: float, step_time_s: float, n_devices: int, peak_per_device: float | None) -> float | None:
     if peak_per_device is None or step_time_s <= 0:
         return None

@@ -32,11 +32,17 @@ def synthetic_batch(seed: int, step: int, batch_size: int, seq_len: int, vocab_s
 class SyntheticData:
     """Yields global batches placed in the mesh's batch layout (each process builds only its rows)."""
 
-    def __init__(self, seed: int, batch_size: int, seq_len: int, vocab_size: int, sharding):
-        self.seed, self.batch_size, self.seq_len, self.vocab_size = seed, batch_size, seq_len, vocab_size
-        self.sharding = sharding
+    def __init__(self, config, sharding):
+        self.config, self.sharding = config, sharding
+
+    def host_batch(self, step: int) -> dict:
+        train, model = self.config.train, self.config.model
+        if model.kind == "vla":
+            from jaxpar.models import vla
+
+            return vla.synthetic_batch(self.config, step, train.global_batch_size)
+        return synthetic_batch(train.seed, step, train.global_batch_size, train.seq_len, model.vocab_size)
 
     def batch(self, step: int) -> dict:
-        host = synthetic_batch(self.seed, step, self.batch_size, self.seq_len, self.vocab_size)
         return {k: jax.make_array_from_callback(v.shape, self.sharding, lambda idx, v=v: v[idx])
-                for k, v in host.items()}
+                for k, v in self.host_batch(step).items()}

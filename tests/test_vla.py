@@ -1,0 +1,149 @@
+"""The VLA: action tokens, the loss mask, prefix-LM attention, and parallel == single device."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import ConfigError, MeshConfig, PipelineConfig, ZeroConfig, load_config, validate
+from jaxpar.mesh import Layout
+from jaxpar.models import vit, vla
+from jaxpar.parallel.step import StepBuilder
+
+BASE = load_config("vla_tiny")
+
+
+def with_values(config, **groups):
+    return dataclasses.replace(config, **{k: dataclasses.replace(getattr(config, k), **v) for k, v in groups.items()})
+
+
+def test_action_tokens_round_trip_and_sit_at_the_end_of_the_vocabulary():
+    tokenizer = vla.ActionTokenizer(BASE.actions, BASE.model.vocab_size)
+    bins = np.arange(BASE.actions.bins)
+    tokens = tokenizer.bins_to_tokens(bins)
+    assert tokens.min() == BASE.model.vocab_size - BASE.actions.bins and tokens.max() == BASE.model.vocab_size - 1
+    np.testing.assert_array_equal(tokenizer.tokens_to_bins(tokens), bins)
+    np.testing.assert_array_equal(tokenizer.to_bins(tokenizer.from_bins(bins)), bins)  # centres map back
+    actions = np.random.default_rng(0).uniform(-1, 1, (100, 7))
+    width = (BASE.actions.high - BASE.actions.low) / BASE.actions.bins
+    assert np.abs(tokenizer.from_bins(tokenizer.to_bins(actions)) - actions).max() <= width / 2 + 1e-9
+    assert tokenizer.to_bins(np.array([-5.0, 5.0])).tolist() == [0, BASE.actions.bins - 1]  # clipped
+
+
+def test_loss_mask_covers_exactly_the_action_tokens():
+    batch = vla.synthetic_batch(BASE, 0, 4)
+    n_image, prefix, seq = vla.sequence_layout(BASE)
+    assert batch["targets"].shape == (4, seq) and batch["inputs"].shape == (4, seq - n_image)
+    tokenizer = vla.ActionTokenizer(BASE.actions, BASE.model.vocab_size)
+    is_action = tokenizer.is_action(batch["targets"])
+    np.testing.assert_array_equal(batch["mask"], is_action.astype(np.float32))
+    assert batch["mask"].sum(axis=1).tolist() == [BASE.actions.dims] * 4
+    assert (batch["mask"][:, : prefix - 1] == 0).all()  # nothing in the image + instruction prefix
+    with_text = vla.synthetic_batch(with_values(BASE, model=dict(text_loss=True)), 0, 4)
+    assert with_text["mask"].sum(axis=1).tolist() == [BASE.actions.dims + BASE.actions.instruction_len] * 4
+
+
+def single_device_params(config):
+    return jax.device_get(builder(dataclasses.replace(config, mesh=MeshConfig())).init_state(0).params)
+
+
+def test_prefix_lm_lets_the_prefix_see_ahead_but_keeps_actions_causal():
+    config = with_values(BASE, mesh=dict(dp=1, pp=1, tp=1), pipeline=dict(microbatches=1))
+    params = single_device_params(config)
+    batch = vla.synthetic_batch(config, 0, 2)
+    image_tokens = vit.encode(params, batch["images"], config.vision, vla.Collectives())
+
+    def hidden(cfg, inputs):
+        x = vla.llm_inputs(params, image_tokens, inputs, vla.Collectives())
+        return np.asarray(vla.llama.run_layers(x, params["layers"], cfg.model, vla.Collectives(),
+                                               prefix_len=vla.prefix_len(cfg)))
+
+    n_image, prefix, _ = vla.sequence_layout(config)
+    changed = batch["inputs"].copy()
+    changed[:, prefix - n_image - 1] += 1  # the last instruction token
+    for cfg, sees_ahead in ((config, True), (with_values(config, model=dict(prefix_lm=False)), False)):
+        before, after_change = hidden(cfg, batch["inputs"]), hidden(cfg, changed)
+        early = slice(0, prefix - 1)  # positions before the changed token
+        assert (not np.allclose(before[:, early], after_change[:, early])) == sees_ahead
+    last_action = batch["inputs"].copy()
+    last_action[:, -1] += 1
+    before, after_change = hidden(config, batch["inputs"]), hidden(config, last_action)
+    np.testing.assert_allclose(before[:, :-1], after_change[:, :-1], atol=1e-6)  # actions stay causal
+
+
+def builder(config):
+    return StepBuilder(config, Layout.from_config(config.mesh).make_mesh())
+
+
+def run(config, steps=3):
+    b = builder(config)
+    state = jax.device_put(reference_state(), b.state_shardings())
+    step = b.jit_train_step(with_grads=True)
+    losses, grads0 = [], None
+    for i in range(steps):
+        batch = jax.device_put(vla.synthetic_batch(config, i, config.train.global_batch_size), b.batch_sharding())
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        grads0 = grads0 or jax.device_get(metrics["grads"])
+    return np.array(losses), grads0, state
+
+
+SINGLE = with_values(BASE, mesh=dict(dp=1, pp=1, tp=1), pipeline=dict(microbatches=1), zero=dict(stage=0),
+                     vision=dict(zero=ZeroConfig(stage=0)))
+
+
+@functools.lru_cache(maxsize=None)
+def reference_state():
+    return jax.device_get(builder(SINGLE).init_state(0))
+
+
+@functools.lru_cache(maxsize=None)
+def reference():
+    return run(SINGLE)
+
+
+@pytest.mark.parametrize("schedule,vision_tp", [("1f1b", 1), ("1f1b", 2), ("gpipe", 2)])
+def test_vla_on_222_matches_single_device(schedule, vision_tp):
+    ref_losses, ref_grads, _ = reference()
+    config = with_values(BASE, vision=dict(tp=vision_tp), pipeline=dict(schedule=schedule))
+    losses, grads, state = run(config)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+    def check(path, a, e):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * np.max(np.abs(e)), err_msg=jax.tree_util.keystr(path))
+    jax.tree_util.tree_map_with_path(check, grads, ref_grads)
+    wq = state.params["vit"]["blocks"]["wq"]  # [depth, width, heads, head_dim]
+    assert {s.data.shape[2] for s in wq.addressable_shards} == {wq.shape[2] // vision_tp}
+    mu = state.opt_state[1][0].mu["vit"]["blocks"]["w_in"].addressable_shards[0].data  # [depth, width, mlp]
+    data_ways = 8 // vision_tp  # vision ZeRO-2 shards the encoder's optimizer state over its data axes
+    assert mu.shape[1] == BASE.vision.width // data_ways
+
+
+VLA_MISTAKES = {
+    "patch": (dict(vision=dict(image_size=18)), "vision.image_size=18 is not divisible by vision.patch_size=4"),
+    "vision tp": (dict(vision=dict(tp=4)), "vision.tp=4 must be 1 or mesh.tp=2"),
+    "vision heads": (dict(vision=dict(n_heads=3, width=66, tp=2)), "vision.tp=2 does not divide vision.n_heads=3"),
+    "bins vs vocab": (dict(actions=dict(bins=600)), "actions.bins=600 reserves the last 600"),
+    "kind": (dict(model=dict(kind="diffusion")), "model.kind='diffusion' is unknown"),
+    "vision zero 3": (dict(vision=dict(zero=ZeroConfig(stage=3))), "vision.zero.stage=3"),
+}
+
+
+@pytest.mark.parametrize("changes,expected", VLA_MISTAKES.values(), ids=VLA_MISTAKES.keys())
+def test_vla_config_mistakes_are_one_line_errors(changes, expected):
+    with pytest.raises(ConfigError) as err:
+        validate(with_values(BASE, **changes))
+    assert "\n" not in str(err.value) and expected in str(err.value), str(err.value)
+
+
+def test_dry_run_reports_each_component():
+    from jaxpar.dry_run import dry_run
+
+    report = dry_run(BASE, builder(BASE).mesh)
+    llm, vision = report["components"]["llm"], report["components"]["vision+projector"]
+    assert (llm["dp"], llm["pp"], llm["tp"], llm["schedule"]) == (2, 2, 2, "1f1b")
+    assert vision["data_parallel"] == 8 and vision["zero_stage"] == 2
+    assert report["per_device_bytes"]["params"] == llm["params_bytes"] + vision["params_bytes"]
+    assert report["param_count"] == vla.llama.param_count(BASE.model) + vit.param_count(BASE.vision, 64)
