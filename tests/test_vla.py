@@ -147,3 +147,24 @@ def test_dry_run_reports_each_component():
     assert vision["data_parallel"] == 8 and vision["zero_stage"] == 2
     assert report["per_device_bytes"]["params"] == llm["params_bytes"] + vision["params_bytes"]
     assert report["param_count"] == vla.llama.param_count(BASE.model) + vit.param_count(BASE.vision, 64)
+
+
+@pytest.mark.parametrize("name,devices", [("vla70b", 64), ("vla7b", 8)])
+def test_big_vla_dry_run_fits_an_80gb_gpu(tmp_path, name, devices):
+    """The real step compiled for the real mesh on emulated CPU devices (a subprocess: it needs its own
+    device count); the seed's 64-GPU layout must fit an A100-80GB."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", f"{name}.py", "--dry_run",
+                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    assert report["devices"] == devices
+    assert report["per_device_bytes"]["peak"] < 80e9
+    llm, vision = report["components"]["llm"], report["components"]["vision+projector"]
+    assert vision["data_parallel"] == devices and vision["zero_stage"] == 2
+    if name == "vla70b":
+        assert (llm["tp"], llm["pp"], llm["dp"], llm["zero_stage"]) == (8, 4, 2, 1)
+        assert 69e9 < report["param_count"] < 72e9
