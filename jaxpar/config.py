@@ -363,6 +363,9 @@ def _validate_vla(config: Config) -> None:
     for key in ("n_heads", "mlp_dim"):
         _require(getattr(vis, key) % vis.tp == 0, f"vision.tp={vis.tp} does not divide vision.{key}="
                                                   f"{getattr(vis, key)}; choose a vision.tp that divides it")
+    _require(config.train.grad_accum == 1, f"train.grad_accum={config.train.grad_accum}: a VLA encodes the whole "
+                                           f"batch once per step; accumulate with mesh.pp > 1 and "
+                                           f"pipeline.microbatches instead, or use train.grad_accum=1")
     _require(vis.zero.stage in (0, 1, 2), f"vision.zero.stage={vis.zero.stage}: the vision encoder supports "
                                           f"ZeRO 0, 1 or 2")
     _require(vis.remat.policy in REMAT_POLICIES, f"vision.remat.policy='{vis.remat.policy}' is unknown; "

@@ -26,6 +26,12 @@ OTHER_KEYS = {
     "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float, "remat.policy": str,
     "hardware.peak_tflops": float, "pipeline.schedule": str, "pipeline.microbatches": int,
     "offload.optimizer": bool, "offload.master_weights": bool,
+    "model.kind": str, "model.prefix_lm": bool, "model.text_loss": bool,
+    "vision.image_size": int, "vision.patch_size": int, "vision.channels": int, "vision.cameras": int,
+    "vision.width": int, "vision.depth": int, "vision.n_heads": int, "vision.mlp_dim": int,
+    "vision.projector_dim": int, "vision.tp": int, "vision.zero.stage": int, "vision.remat.policy": str,
+    "actions.dims": int, "actions.bins": int, "actions.low": float, "actions.high": float,
+    "actions.instruction_len": int,
 }
 
 

@@ -45,6 +45,17 @@ def test_loss_mask_covers_exactly_the_action_tokens():
     assert with_text["mask"].sum(axis=1).tolist() == [BASE.actions.dims + BASE.actions.instruction_len] * 4
 
 
+def test_several_cameras_concatenate_their_patch_tokens():
+    config = with_values(BASE, mesh=dict(dp=1, pp=1, tp=1), pipeline=dict(microbatches=1), vision=dict(cameras=2))
+    params = single_device_params(config)
+    batch = vla.synthetic_batch(config, 0, 2)
+    assert batch["images"].shape == (2, 2, 16, 16, 3)
+    tokens = vit.encode(params, batch["images"], config.vision, vla.Collectives())
+    assert tokens.shape == (2, 2 * 16, config.model.d_model)
+    loss, count = vla.loss_sum(params, batch, config)
+    assert np.isfinite(float(loss)) and float(count) == 2 * config.actions.dims
+
+
 def single_device_params(config):
     return jax.device_get(builder(dataclasses.replace(config, mesh=MeshConfig())).init_state(0).params)
 
@@ -128,6 +139,8 @@ VLA_MISTAKES = {
     "bins vs vocab": (dict(actions=dict(bins=600)), "actions.bins=600 reserves the last 600"),
     "kind": (dict(model=dict(kind="diffusion")), "model.kind='diffusion' is unknown"),
     "vision zero 3": (dict(vision=dict(zero=ZeroConfig(stage=3))), "vision.zero.stage=3"),
+    "grad accum": (dict(mesh=dict(pp=1, dp=4), pipeline=dict(microbatches=1), train=dict(grad_accum=2)),
+                   "train.grad_accum=2: a VLA encodes the whole batch once"),
 }
 
 
