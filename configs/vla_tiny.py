@@ -16,7 +16,7 @@ def get_config():
     c.precision = "fp32"
     c.pipeline = dict(schedule="1f1b", microbatches=4)
     c.train = dict(steps=100, global_batch_size=16, seed=0, lr=1e-3, warmup_steps=10, weight_decay=0.0)
-    c.model = dict(kind="vla", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=256,
+    c.model = dict(kind="vla", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=256,
                    prefix_lm=True)
     c.vision = dict(image_size=16, patch_size=4, channels=3, cameras=1, width=64, depth=2, n_heads=4,
                     mlp_dim=128, projector_dim=128, tp=1, zero=dict(stage=2))

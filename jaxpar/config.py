@@ -358,8 +358,9 @@ def _validate_vla(config: Config) -> None:
                                                    f"vision.patch_size={vis.patch_size}; pick sizes that tile")
     _require(vis.width % vis.n_heads == 0, f"vision.width={vis.width} is not divisible by "
                                            f"vision.n_heads={vis.n_heads}")
-    _require(vis.tp in (1, mesh.tp), f"vision.tp={vis.tp} must be 1 or mesh.tp={mesh.tp} (the vision encoder "
-                                     f"is tensor-parallel on the tp axis or not at all)")
+    _require(vis.tp >= 1 and mesh.tp % vis.tp == 0,
+             f"vision.tp={vis.tp} does not divide mesh.tp={mesh.tp}; the vision encoder's tensor-parallel group "
+             f"is part of the LLM's, so pick a divisor of {mesh.tp}")
     for key in ("n_heads", "mlp_dim"):
         _require(getattr(vis, key) % vis.tp == 0, f"vision.tp={vis.tp} does not divide vision.{key}="
                                                   f"{getattr(vis, key)}; choose a vision.tp that divides it")

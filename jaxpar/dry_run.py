@@ -22,7 +22,7 @@ from jaxpar.config import Config, to_dict
 from jaxpar.models import llama, vit
 from jaxpar.metrics import model_flops_per_step
 from jaxpar.parallel.step import VISION_KEYS, StepBuilder
-from jaxpar.sharding import tree_specs, unused_mesh_axes
+from jaxpar.sharding import llm_rules, tree_specs, unused_mesh_axes
 
 def bytes_by_memory_kind(tree) -> dict[str, int]:
     """Per-device bytes of a tree of sharded ShapeDtypeStructs, grouped by sharding.memory_kind."""
@@ -49,7 +49,7 @@ def zero_formula_bytes(config: Config, psi_local: int, dp: int) -> dict[str, flo
 
 def local_param_count(builder: StepBuilder) -> int:
     """Psi of the ZeRO formulas: parameters one device holds before any dp sharding (tp/pp only)."""
-    specs = tree_specs(builder.axes, False, unused_mesh_axes(builder.mesh))
+    specs = tree_specs(builder.axes, False, unused_mesh_axes(builder.mesh), llm_rules(builder.mesh))
     shapes = llama.param_shapes(builder.config.model)
     counts = jax.tree.map(lambda spec, shape: math.prod(NamedSharding(builder.mesh, spec).shard_shape(shape)),
                           specs, shapes, is_leaf=lambda x: isinstance(x, P))
@@ -72,11 +72,11 @@ def _subtree_bytes(tree, keys) -> dict[str, int]:
 
 def component_report(builder: StepBuilder, state) -> dict:
     """Each model component's layout and its per-device state bytes (params; master + optimizer)."""
-    config, shape = builder.config, dict(builder.mesh.shape)
+    config = builder.config
     llm_keys = [k for k in state.params if k not in VISION_KEYS]
-    layouts = {"llm": {"keys": llm_keys, "dp": shape["dp"], "pp": shape["pp"], "tp": shape["tp"],
+    layouts = {"llm": {"keys": llm_keys, "dp": config.mesh.dp, "pp": config.mesh.pp, "tp": config.mesh.tp,
                        "zero_stage": config.zero.stage, "remat": config.remat.policy,
-                       "schedule": config.pipeline.schedule if shape["pp"] > 1 else None}}
+                       "schedule": config.pipeline.schedule if config.mesh.pp > 1 else None}}
     if builder.vision is not None:
         layouts["vision+projector"] = {"keys": list(VISION_KEYS), **builder.vision.describe(builder.mesh)}
     for layout in layouts.values():

@@ -23,26 +23,46 @@ from jaxpar.config import MeshConfig
 from jaxpar.errors import ConfigError
 
 AXES = ("dp", "pp", "tp")
+TP_INNER = "tpv"  # the inner part of tp that a VLA's smaller vision tp uses (see Layout)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The parallel layout of the global mesh."""
+    """The parallel layout of the global mesh.
+
+    `tp_split` > 1 (a VLA whose vision.tp is a proper divisor of tp) splits the tp axis into
+    ("tp", "tpv") of sizes (tp / tp_split, tp_split): the LLM is tensor-parallel over both, the
+    vision encoder over "tpv" only, data-parallel over the rest. Same devices, same order.
+    """
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    tp_split: int = 1
 
     @classmethod
     def from_config(cls, mesh: MeshConfig) -> "Layout":
         return cls(dp=mesh.dp, pp=mesh.pp, tp=mesh.tp)
+
+    @classmethod
+    def for_config(cls, config) -> "Layout":
+        """The layout a whole config needs (a VLA's vision tp may split the tp axis)."""
+        vision_tp = config.vision.tp if config.model.kind == "vla" else 1
+        split = vision_tp if 1 < vision_tp < config.mesh.tp else 1
+        return cls(dp=config.mesh.dp, pp=config.mesh.pp, tp=config.mesh.tp, tp_split=split)
 
     @property
     def size(self) -> int:
         return self.dp * self.pp * self.tp
 
     @property
-    def shape(self) -> tuple[int, int, int]:
+    def axis_names(self) -> tuple[str, ...]:
+        return AXES + (TP_INNER,) if self.tp_split > 1 else AXES
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.tp_split > 1:
+            return (self.dp, self.pp, self.tp // self.tp_split, self.tp_split)
         return (self.dp, self.pp, self.tp)
 
     def make_mesh(self, devices=None) -> Mesh:
@@ -56,7 +76,7 @@ class Layout:
                 f"but {len(devices)} {platform}devices are visible; shrink mesh.dp/pp/tp "
                 f"or use --dry_run to compile on emulated devices")
         grid = np.asarray(devices[: self.size], dtype=object).reshape(self.shape)
-        return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+        return Mesh(grid, self.axis_names, axis_types=(AxisType.Auto,) * len(self.axis_names))
 
 
 def emulate_cpu_devices(count: int) -> None:

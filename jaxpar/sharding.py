@@ -46,15 +46,31 @@ class Rules:
 
 
 LLM_RULES = Rules(RULES)
+TP_INNER = "tpv"  # jaxpar.mesh.TP_INNER: present when a VLA's vision tp splits the tp axis
 
 
-def vision_rules(tensor_parallel: bool) -> Rules:
-    """The VLA's vision encoder + projector: Megatron layout on tp (or replicated), ZeRO over every
-    mesh axis that splits the images (dp, pp, and tp unless the encoder is tensor-parallel)."""
-    tp = "tp" if tensor_parallel else None
+def tensor_axes(mesh) -> str | tuple[str, ...]:
+    """The LLM's tensor-parallel mesh axes: "tp", or ("tp", "tpv") when the axis is split."""
+    return ("tp", TP_INNER) if TP_INNER in mesh.shape else "tp"
+
+
+def llm_rules(mesh) -> Rules:
+    tp = tensor_axes(mesh)
+    return Rules({name: (tp if axis == "tp" else axis) for name, axis in RULES.items()})
+
+
+def vision_rules(vision_tp: int, mesh) -> Rules:
+    """The VLA's vision encoder + projector: Megatron layout on the axes of its own tp (all of tp,
+    its inner part "tpv", or none), ZeRO over every mesh axis that splits the images."""
+    if vision_tp <= 1:
+        tp, data = None, ("dp", "pp", "tp")
+    elif TP_INNER in mesh.shape:
+        tp, data = TP_INNER, ("dp", "pp", "tp")
+    else:
+        tp, data = "tp", ("dp", "pp")
     table = {"vit_embed": None, "vit_heads": tp, "vit_mlp": tp, "vit_layers": None, "patch": None,
              "patches": None, "proj_mlp": None, "head_dim": None, "embed": None}
-    return Rules(table, ("vit_embed", "embed"), ("dp", "pp") if tensor_parallel else ("dp", "pp", "tp"))
+    return Rules(table, ("vit_embed", "embed"), data)
 
 
 def zero_dim(logical: tuple[str, ...], rules: Rules = LLM_RULES) -> int:
@@ -75,7 +91,9 @@ def logical_to_spec(logical: tuple[str, ...], zero_sharded: bool = False, unused
     for index, name in enumerate(logical):
         if name not in rules.table:
             raise KeyError(f"logical axis '{name}' has no rule in jaxpar.sharding")
-        axes = zero_mesh if index == zero_at else tuple(a for a in [rules.table[name]] if a and a not in unused_axes)
+        rule = rules.table[name]
+        rule = rule if isinstance(rule, tuple) else (rule,)
+        axes = zero_mesh if index == zero_at else tuple(a for a in rule if a and a not in unused_axes)
         if set(axes) & set(used):
             raise ValueError(f"logical axes {logical} map two dims onto mesh axes {axes}")
         used += axes
@@ -99,8 +117,9 @@ def unused_mesh_axes(mesh) -> tuple[str, ...]:
 class StateSpecs:
     """PartitionSpecs of params / grads / optimizer state / master weights for one ZeRO stage."""
 
-    def __init__(self, axes_tree: Any, stage: int, mesh, rules: Rules = LLM_RULES):
+    def __init__(self, axes_tree: Any, stage: int, mesh, rules: Rules | None = None):
         unused = unused_mesh_axes(mesh)
+        rules = rules or llm_rules(mesh)
         self.axes = axes_tree
         self.stage = stage
         self.params = tree_specs(axes_tree, stage >= 3, unused, rules)

@@ -65,7 +65,7 @@ def run(argv: list[str]) -> int:
 
     from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
 
-    layout = Layout.from_config(config.mesh)
+    layout = Layout.for_config(config)
     emulate_cpu_devices(layout.size)  # before JAX touches a backend
     maybe_initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     mesh = layout.make_mesh(devices_for(layout, args.dry_run))

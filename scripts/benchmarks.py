@@ -34,7 +34,7 @@ def with_layout(config, dp=1, pp=1, tp=1, stage=None, **pipeline):
 
 
 def mesh_for(config):
-    return Layout.from_config(config.mesh).make_mesh()
+    return Layout.for_config(config).make_mesh()
 
 
 def zero_memory():

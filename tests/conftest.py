@@ -27,7 +27,7 @@ def make_config(dp=1, pp=1, tp=1, stage=0, precision="fp32", model=TINY_MODEL, *
 
 
 def builder_for(config: Config) -> StepBuilder:
-    mesh = Layout.from_config(config.mesh).make_mesh()
+    mesh = Layout.for_config(config).make_mesh()
     return StepBuilder(config, mesh)
 
 

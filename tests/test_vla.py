@@ -85,7 +85,7 @@ def test_prefix_lm_lets_the_prefix_see_ahead_but_keeps_actions_causal():
 
 
 def builder(config):
-    return StepBuilder(config, Layout.from_config(config.mesh).make_mesh())
+    return StepBuilder(config, Layout.for_config(config).make_mesh())
 
 
 def run(config, steps=3):
@@ -115,10 +115,14 @@ def reference():
     return run(SINGLE)
 
 
-@pytest.mark.parametrize("schedule,vision_tp", [("1f1b", 1), ("1f1b", 2), ("gpipe", 2)])
-def test_vla_on_222_matches_single_device(schedule, vision_tp):
+@pytest.mark.parametrize("mesh,schedule,vision_tp", [
+    ((2, 2, 2), "1f1b", 1), ((2, 2, 2), "1f1b", 2), ((2, 2, 2), "gpipe", 2),
+    ((1, 2, 4), "1f1b", 2),  # vision tp 2 inside tp 4: the tp axis is split into ("tp", "tpv")
+])
+def test_vla_matches_single_device(mesh, schedule, vision_tp):
     ref_losses, ref_grads, _ = reference()
-    config = with_values(BASE, vision=dict(tp=vision_tp), pipeline=dict(schedule=schedule))
+    config = with_values(BASE, mesh=dict(dp=mesh[0], pp=mesh[1], tp=mesh[2]), vision=dict(tp=vision_tp),
+                         pipeline=dict(schedule=schedule))
     losses, grads, state = run(config)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
@@ -130,11 +134,13 @@ def test_vla_on_222_matches_single_device(schedule, vision_tp):
     mu = state.opt_state[1][0].mu["vit"]["blocks"]["w_in"].addressable_shards[0].data  # [depth, width, mlp]
     data_ways = 8 // vision_tp  # vision ZeRO-2 shards the encoder's optimizer state over its data axes
     assert mu.shape[1] == BASE.vision.width // data_ways
+    layers_wq = state.params["layers"]["wq"]  # the LLM keeps its full tp over the (possibly split) axis
+    assert {s.data.shape[2] for s in layers_wq.addressable_shards} == {layers_wq.shape[2] // mesh[2]}
 
 
 VLA_MISTAKES = {
     "patch": (dict(vision=dict(image_size=18)), "vision.image_size=18 is not divisible by vision.patch_size=4"),
-    "vision tp": (dict(vision=dict(tp=4)), "vision.tp=4 must be 1 or mesh.tp=2"),
+    "vision tp": (dict(vision=dict(tp=3, n_heads=3, width=66, mlp_dim=129)), "vision.tp=3 does not divide mesh.tp=2"),
     "vision heads": (dict(vision=dict(n_heads=3, width=66, tp=2)), "vision.tp=2 does not divide vision.n_heads=3"),
     "bins vs vocab": (dict(actions=dict(bins=600)), "actions.bins=600 reserves the last 600"),
     "kind": (dict(model=dict(kind="diffusion")), "model.kind='diffusion' is unknown"),
@@ -162,8 +168,8 @@ def test_dry_run_reports_each_component():
     assert report["param_count"] == vla.llama.param_count(BASE.model) + vit.param_count(BASE.vision, 64)
 
 
-@pytest.mark.parametrize("name,devices", [("vla70b", 64), ("vla7b", 8)])
-def test_big_vla_dry_run_fits_an_80gb_gpu(tmp_path, name, devices):
+@pytest.mark.parametrize("name,devices,vision_tp", [("vla70b", 64, 2), ("vla7b", 8, 1)])
+def test_big_vla_dry_run_fits_an_80gb_gpu(tmp_path, name, devices, vision_tp):
     """The real step compiled for the real mesh on emulated CPU devices (a subprocess: it needs its own
     device count); the seed's 64-GPU layout must fit an A100-80GB."""
     import json
@@ -177,7 +183,7 @@ def test_big_vla_dry_run_fits_an_80gb_gpu(tmp_path, name, devices):
     assert report["devices"] == devices
     assert report["per_device_bytes"]["peak"] < 80e9
     llm, vision = report["components"]["llm"], report["components"]["vision+projector"]
-    assert vision["data_parallel"] == devices and vision["zero_stage"] == 2
+    assert (vision["tp"], vision["data_parallel"], vision["zero_stage"]) == (vision_tp, devices // vision_tp, 2)
     if name == "vla70b":
         assert (llm["tp"], llm["pp"], llm["dp"], llm["zero_stage"]) == (8, 4, 2, 1)
         assert 69e9 < report["param_count"] < 72e9

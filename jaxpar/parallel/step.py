@@ -33,7 +33,7 @@ from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import remat, schedule as pipeline_schedule
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.parallel.vision import VisionComponent
-from jaxpar.sharding import DP, StateSpecs, zero_dim
+from jaxpar.sharding import DP, StateSpecs, tensor_axes, zero_dim
 
 
 HOST = "pinned_host"  # memory kind of offloaded optimizer state
@@ -160,7 +160,7 @@ class StepBuilder:
     # ------------------------------------------------------------------ loss and gradients
     def collectives(self) -> Collectives:
         sizes = self.mesh.shape
-        return Collectives(tp_axis="tp" if sizes["tp"] > 1 else None,
+        return Collectives(tp_axis=tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None,
                            zero3_axis=DP if self.gathers_weights else None,
                            zero2_axis=DP if self.taps_grads else None)
 

@@ -1,9 +1,10 @@
 """The VLA's vision encoder + projector as its own parallel component, on the same devices as the LLM.
 
 Strategy (the seed's table 6.2 idea: a small encoder wants data parallelism, not the LLM's layout):
-- The encoder is tensor-parallel over the `tp` axis when `vision.tp == mesh.tp`, else replicated.
+- The encoder is tensor-parallel over `vision.tp` devices: the whole tp axis, or its inner part
+  ("tpv" of a split tp axis, jaxpar.mesh.Layout) when vision.tp is a proper divisor of mesh.tp.
 - Its batch is split over every mesh axis its tp does not use: each dp shard's examples are divided
-  further over pp (and tp), so every device encodes a distinct slice of the images.
+  further over pp (and the rest of tp), so every vision tp group encodes a distinct slice.
 - The projected image tokens are then assembled back into the LLM's layout (dp-sharded, the same on
   every pp / tp rank) with one sum over the split axes, and enter the first pipeline stage.
 - Backward: the first stage's input cotangent for the image positions comes back the same on every
@@ -30,14 +31,14 @@ class VisionComponent:
         vcfg = config.vision
         sizes = mesh.shape
         self.config, self.cfg = config, vcfg
-        self.tensor_parallel = vcfg.tp > 1
-        self.rules = vision_rules(self.tensor_parallel)
+        self.rules = vision_rules(vcfg.tp, mesh)
         self.axes = vit.param_axes()
         self.specs = StateSpecs(self.axes, vcfg.zero.stage, mesh, self.rules)
-        self.split_axes = tuple(a for a in (("pp",) if self.tensor_parallel else ("pp", "tp")) if sizes[a] > 1)
+        self.split_axes = tuple(a for a in self.rules.zero_mesh if a != "dp" and sizes[a] > 1)  # within a dp shard
         self.split_sizes = tuple(sizes[a] for a in self.split_axes)
         self.data_axes = tuple(a for a in ("dp",) if sizes[a] > 1) + self.split_axes
-        self.coll = Collectives(tp_axis="tp" if self.tensor_parallel else None)
+        tensor_axis = self.rules.table["vit_heads"]  # "tp", the inner "tpv", or None
+        self.coll = Collectives(tp_axis=tensor_axis if vcfg.tp > 1 else None)
         self.policy = remat.layer_policy(vcfg.remat.policy, regathers_weights=False)
 
     def describe(self, mesh) -> dict:
