@@ -51,6 +51,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # by the global norm over all shards; 0 disables
     grad_accum: int = 1  # microsteps per optimizer step (gradient accumulation)
+    on_nan: str = "skip"  # a step with non-finite loss or gradients: skip (not applied) or stop
     log_every: int = 1  # metrics are fetched (a host sync) and written every N steps and at the last
 
 
@@ -123,6 +124,19 @@ class ActionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints in WORKDIR/checkpoints every `every` steps (0: only at the end / on preemption)."""
+
+    every: int = 0
+    keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugConfig:
+    nan_at_step: int = 0  # inject a NaN into this step's gradients (tests the NaN guard); 0 = never
+
+
+@dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     """ZeRO-Offload: keep the optimizer state (and the fp32 master weights) in pinned host memory."""
 
@@ -148,6 +162,8 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()
     offload: OffloadConfig = OffloadConfig()
     vision: VisionConfig = VisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    debug: DebugConfig = DebugConfig()
     actions: ActionConfig = ActionConfig()
     hardware: HardwareConfig = HardwareConfig()
 
@@ -310,6 +326,9 @@ def _validate_ranges(config: Config) -> None:
         value = getattr(train, key)
         _require(value >= 1, f"train.{key}={value} must be >= 1")
     _require(train.seq_len >= 2, f"train.seq_len={train.seq_len} must be >= 2")
+    _require(train.on_nan in ("skip", "stop"), f"train.on_nan='{train.on_nan}' is unknown; use skip or stop")
+    _require(config.checkpoint.every >= 0 and config.checkpoint.keep >= 1,
+             "checkpoint.every must be >= 0 (0: at the end only) and checkpoint.keep >= 1")
     _require(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps} must be >= 0")
     _require(config.zero.stage in (0, 1, 2, 3), f"zero.stage={config.zero.stage} is out of range; use 0, 1, 2 or 3")
     _require(config.remat.policy in REMAT_POLICIES,

@@ -1,57 +1,134 @@
-"""The training loop: compile once, dispatch step N, then fetch step N-1's metrics (no per-step sync)."""
+"""The training loop: resume, compile once, dispatch step N then fetch step N-1's metrics, checkpoint.
+
+The only host syncs are the metric fetches of logged steps (one step late, so the device always has
+the next step queued) and checkpoint saves, which orbax writes asynchronously. SIGTERM / SIGINT
+finish the current step, write a checkpoint, wait until it is durable and return; a second signal
+exits at once.
+"""
 
 from __future__ import annotations
 
+import math
 import pathlib
+import signal
+import statistics
 import time
 
 import jax
 from tqdm import tqdm
 
+from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
+from jaxpar.errors import ConfigError
 from jaxpar.data.synthetic import SyntheticData
 from jaxpar.metrics import MetricsWriter, mfu, model_flops_per_step, peak_flops_per_device
 from jaxpar.parallel.step import StepBuilder
 
+SPIKE_WINDOW = 50  # logged losses in the running window of the spike detector
+SPIKE_SIGMAS = 3.0
+
+
+class TrainingStopped(RuntimeError):
+    """train.on_nan=stop met a non-finite step; the last good state was checkpointed."""
+
+
+class Preemption:
+    """First SIGTERM / SIGINT: ask the loop to checkpoint and stop. Second: the default behaviour."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
 
 def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = True) -> list[dict]:
-    """Train for `config.train.steps` steps; returns the per-step metric records it wrote."""
-    train_cfg = config.train
+    """Train (or resume) to `config.train.steps`; returns the metric records written in this run."""
     builder = StepBuilder(config, mesh)
-    state = builder.init_state(train_cfg.seed)
+    checkpoints = Checkpointer(workdir, config)
+    state, start = _initial_state(builder, checkpoints)
     data = SyntheticData(config, builder.batch_sharding())
     compile_start = time.perf_counter()
     step_fn = builder.jit_train_step().lower(state, data.batch(0)).compile()
-    compile_s = time.perf_counter() - compile_start
-
     is_main = jax.process_index() == 0
-    writer = MetricsWriter(workdir, enabled=is_main)
-    tokens_per_step = train_cfg.global_batch_size * builder.seq_len
-    flops_per_step = model_flops_per_step(config, builder.seq_len)
-    peak = peak_flops_per_device(config.hardware.peak_tflops)
-    progress = tqdm(total=train_cfg.steps, disable=not (is_main and show_progress), unit="step",
-                    desc=f"compiled in {compile_s:.1f}s; training")
-    logger = StepLogger(writer, progress, tokens_per_step, flops_per_step, mesh.size, peak, train_cfg.log_every)
-    for step in range(1, train_cfg.steps + 1):
-        state, metrics = step_fn(state, data.batch(step - 1))
-        logger.flush()  # the previous logged step's metrics, fetched while this step runs
-        logger.submit(step, metrics, is_last=step == train_cfg.steps)
-    logger.flush()
-    progress.close()
-    writer.close()
+    progress = tqdm(total=config.train.steps, initial=start, disable=not (is_main and show_progress), unit="step",
+                    desc=f"compiled in {time.perf_counter() - compile_start:.1f}s; training")
+    logger = StepLogger(MetricsWriter(workdir, enabled=is_main, resume_after=start), progress, config, builder,
+                        mesh.size, start)
+    step, every = start, config.checkpoint.every
+    with Preemption() as preemption:
+        try:
+            while step < config.train.steps and not preemption.requested:
+                state, metrics = step_fn(state, data.batch(step))
+                step += 1
+                logger.flush()  # the previous logged step's metrics, fetched while this step runs
+                logger.submit(step, metrics, is_last=step == config.train.steps)
+                if every and step % every == 0 and step < config.train.steps:
+                    checkpoints.save(step, state)
+            logger.flush()
+        except TrainingStopped:
+            checkpoints.save(step, state)  # the skipped step left the state as it was: keep it
+            raise
+        else:
+            if step > start:  # the end or a preemption: durable before we return
+                checkpoints.save(step, state)
+        finally:
+            checkpoints.close()
+            progress.close()
+            logger.writer.close()
+    if preemption.requested:
+        print(f"preempted: checkpoint of step {step} written to {checkpoints.directory}")
     return logger.records
 
 
-class StepLogger:
-    """Logs every `every`-th step (and the last). Fetching a step's metrics is the loop's only host
-    sync, and it happens one step late, so the device always has the next step queued."""
+def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):
+    """The latest readable checkpoint, restored onto this layout; a fresh start only if there is none.
 
-    def __init__(self, writer, progress, tokens_per_step, flops_per_step, n_devices, peak, every):
-        self.writer, self.progress, self.every = writer, progress, every
-        self.tokens_per_step, self.flops_per_step, self.n_devices, self.peak = (
-            tokens_per_step, flops_per_step, n_devices, peak)
-        self.records, self.pending = [], None
-        self.last_step, self.last_time = 0, time.perf_counter()
+    An unreadable checkpoint (corrupted after it was completed) is skipped, saying so, for the one
+    before it; if none can be read the run stops rather than silently starting over.
+    """
+    steps = checkpoints.all_steps()
+    if not steps:
+        return builder.init_state(builder.config.train.seed), 0
+    for step in sorted(steps, reverse=True):
+        try:
+            state, step = checkpoints.restore(builder.abstract_state(), step)
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any read failure means: try the previous checkpoint
+            moved = checkpoints.quarantine(step) if jax.process_index() == 0 else None
+            print(f"warning: checkpoint of step {step} is unreadable ({type(err).__name__}); moved it to "
+                  f"{moved} and trying the previous one")
+            continue
+        print(f"resuming from step {step} ({checkpoints.directory})")
+        return state, step
+    raise ConfigError(f"no readable checkpoint in {checkpoints.directory}; move it away or use a fresh --workdir")
+
+
+class StepLogger:
+    """Logs every `log_every`-th step (and the last); warns on loss spikes; enforces train.on_nan."""
+
+    def __init__(self, writer, progress, config: Config, builder: StepBuilder, n_devices: int, start: int):
+        self.writer, self.progress, self.config = writer, progress, config
+        self.every = config.train.log_every
+        self.tokens_per_step = config.train.global_batch_size * builder.seq_len
+        self.flops_per_step = model_flops_per_step(config, builder.seq_len)
+        self.n_devices, self.peak = n_devices, peak_flops_per_device(config.hardware.peak_tflops)
+        self.records, self.pending, self.losses = [], None, []
+        self.last_step, self.last_time = start, time.perf_counter()
 
     def submit(self, step: int, metrics: dict, is_last: bool) -> None:
         if step % self.every == 0 or is_last:
@@ -62,14 +139,31 @@ class StepLogger:
             return
         step, metrics = self.pending
         self.pending = None
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values = jax.device_get(metrics)
         now = time.perf_counter()
         step_time = (now - self.last_time) / (step - self.last_step)  # mean over the steps since the last log
-        record = {"step": step, **values, "step_time_s": step_time,
-                  "tokens_per_s": self.tokens_per_step / step_time,
+        record = {"step": step, **{k: float(values[k]) for k in ("loss", "grad_norm", "learning_rate")},
+                  "skipped": bool(values["skipped"]), "skipped_total": int(values["skipped_total"]),
+                  "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
                   "mfu": mfu(self.flops_per_step, step_time, self.n_devices, self.peak)}
+        self._check_spike(record)
         self.records.append(record)
         self.writer.write(record)
-        self.progress.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        self.progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         self.progress.update(step - self.last_step)
         self.last_step, self.last_time = step, now
+        if record["skipped"] and self.config.train.on_nan == "stop":
+            raise TrainingStopped(f"step {step}: loss or gradients not finite and train.on_nan=stop; "
+                                  f"the step was not applied and the state before it is checkpointed")
+
+    def _check_spike(self, record: dict) -> None:
+        loss = record["loss"]
+        if not math.isfinite(loss):
+            return
+        if len(self.losses) >= 10:
+            mean, sigma = statistics.fmean(self.losses), statistics.pstdev(self.losses)
+            if sigma > 0 and loss > mean + SPIKE_SIGMAS * sigma:
+                record["loss_spike"] = True
+                tqdm.write(f"warning: loss spike at step {record['step']}: {loss:.4f} > mean {mean:.4f} "
+                           f"+ {SPIKE_SIGMAS:g} sigma ({sigma:.4f}) of the last {len(self.losses)} logged steps")
+        self.losses = (self.losses + [loss])[-SPIKE_WINDOW:]

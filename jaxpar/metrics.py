@@ -46,16 +46,25 @@ def mfu(flops_per_step: float, step_time_s: float, n_devices: int, peak_per_devi
 class MetricsWriter:
     """Appends one JSON object per step to WORKDIR/metrics.jsonl and mirrors scalars to TensorBoard."""
 
-    def __init__(self, workdir: pathlib.Path, enabled: bool = True):
+    def __init__(self, workdir: pathlib.Path, enabled: bool = True, resume_after: int = 0):
         self.enabled = enabled
         self.path = workdir / "metrics.jsonl"
         self._tb = None
         if enabled:
             workdir.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")  # a fresh run starts a fresh log (resume, issue 6, will continue it)
+            self._keep_until(resume_after)
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(workdir / "tb"))
+
+    def _keep_until(self, step: int) -> None:
+        """On resume keep the records up to the checkpointed step (so no step is logged twice);
+        a fresh run (step 0) starts a fresh log."""
+        kept = []
+        if step and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
         if not self.enabled:

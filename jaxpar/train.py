@@ -77,11 +77,18 @@ def run(argv: list[str]) -> int:
         print(format_report(report))
         print(f"wrote {write_report(report, workdir)}")
         return 0
-    from jaxpar.loop import train
+    from jaxpar.loop import TrainingStopped, train
 
-    records = train(config, mesh, workdir)
-    last = records[-1]
-    print(f"done: {last['step']} steps, final loss {last['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}")
+    try:
+        records = train(config, mesh, workdir)
+    except TrainingStopped as stop:
+        print(f"jaxpar: stopped: {stop}", file=sys.stderr)
+        return 1
+    if records:
+        last = records[-1]
+        print(f"done: step {last['step']}, loss {last['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}")
+    else:
+        print(f"nothing to do: the checkpoint in {workdir / 'checkpoints'} is already at train.steps")
     return 0
 
 

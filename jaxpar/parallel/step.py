@@ -46,6 +46,7 @@ class TrainState:
     params: Any  # compute dtype; ZeRO-3: dp-sharded
     master: Any  # fp32 master weights when precision=bf16 (ZeRO >= 1: dp-sharded); None for fp32
     opt_state: Any
+    skipped: jax.Array  # steps not applied because their loss or gradients were not finite
 
 
 def _is_spec(x) -> bool:
@@ -107,6 +108,7 @@ class StepBuilder:
             params=self._named(self.specs.params),
             master=self._named(self.specs.opt, master_kind) if self.bf16 else None,
             opt_state=self._named(self._opt_state_specs(), opt_kind),
+            skipped=NamedSharding(self.mesh, P()),
         )
 
     def _param_shapes(self) -> dict:
@@ -128,6 +130,7 @@ class StepBuilder:
             params=jax.tree.map(lambda w: w.astype(self.compute_dtype), master),
             master=master if self.bf16 else None,
             opt_state=self.tx.init(master),
+            skipped=jnp.zeros((), jnp.int32),
         )
 
     def abstract_state(self) -> TrainState:
@@ -254,6 +257,9 @@ class StepBuilder:
         # Each dp rank updates only its optimizer shard: slice (ZeRO-1) before widening to fp32.
         grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.opt))
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        if self.config.debug.nan_at_step:  # test hook for the NaN guard
+            poison = jnp.where(state.step + 1 == self.config.debug.nan_at_step, jnp.nan, 0.0)
+            grads = jax.tree.map(lambda g: g + poison, grads)
         grad_norm = optax.tree.norm(grads)
         if self.config.offload.optimizer:  # host -> device for the update only; outputs go back to host
             on_device = self.state_shardings(on_device=True)
@@ -268,8 +274,14 @@ class StepBuilder:
         else:
             master, params = None, target
         params = jax.lax.with_sharding_constraint(params, self._named(self.specs.params))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.schedule(state.step)}
-        new_state = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state)
+        # NaN guard: a step whose loss or gradients are not finite is not applied (the data is consumed).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        applied = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state,
+                             skipped=state.skipped)
+        kept = state.replace(step=state.step + 1, skipped=state.skipped + 1)
+        new_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), applied, kept)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.schedule(state.step),
+                   "skipped": ~finite, "skipped_total": new_state.skipped}
         if with_grads:
             metrics["grads"] = grads
         return new_state, metrics
@@ -277,7 +289,7 @@ class StepBuilder:
     def jit_train_step(self, with_grads: bool = False):
         state_sh = self.state_shardings()
         replicated = NamedSharding(self.mesh, P())
-        metrics_sh = {"loss": replicated, "grad_norm": replicated, "learning_rate": replicated}
+        metrics_sh = {k: replicated for k in ("loss", "grad_norm", "learning_rate", "skipped", "skipped_total")}
         if with_grads:
             metrics_sh["grads"] = self._named(self.specs.grads)
         return jax.jit(functools.partial(self.train_step, with_grads=with_grads),

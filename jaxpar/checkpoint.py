@@ -1,0 +1,76 @@
+"""Distributed checkpoints with orbax: asynchronous saves, resume, restore onto any layout.
+
+A checkpoint stores global arrays (orbax writes each process's shards of the global array), so it
+restores onto any other valid (dp, pp, tp, zero.stage): the target shardings come from the new
+layout's abstract state. Next to the state it stores, as JSON, the step (which is also the data
+position: the synthetic data of step k depends only on (seed, k)) and the model shape, checked on
+restore. Orbax writes each step into a temporary directory and renames it when complete, so a
+process killed mid-save leaves the previous checkpoint as the latest readable one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+
+import orbax.checkpoint as ocp
+
+from jaxpar.config import Config
+from jaxpar.errors import ConfigError
+
+
+def _model_fingerprint(config: Config) -> dict:
+    out = {"model": dataclasses.asdict(config.model)}
+    if config.model.kind == "vla":
+        out["vision"] = {k: v for k, v in dataclasses.asdict(config.vision).items() if k not in ("tp", "zero", "remat")}
+    return out
+
+
+class Checkpointer:
+    def __init__(self, workdir: pathlib.Path, config: Config):
+        self.config = config
+        self.directory = (workdir / "checkpoints").resolve()
+        options = ocp.CheckpointManagerOptions(max_to_keep=config.checkpoint.keep, create=True,
+                                               enable_async_checkpointing=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps of complete checkpoints (orbax finalises a step by renaming its temporary directory)."""
+        return list(self.manager.all_steps())
+
+    def quarantine(self, step: int) -> pathlib.Path:
+        """Move an unreadable checkpoint aside (never delete work) so later saves can use its step."""
+        target = self.directory / f"{step}.unreadable.{int(time.time())}"
+        (self.directory / str(step)).rename(target)
+        self.manager.reload()
+        return target
+
+    def save(self, step: int, state) -> None:
+        """Start an asynchronous save of `state` after optimizer step `step`; training goes on."""
+        meta = {"step": step, **_model_fingerprint(self.config)}
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+
+    def restore(self, abstract_state, step: int | None = None):
+        """(state laid out as `abstract_state`'s shardings, step) from the latest complete checkpoint."""
+        step = self.latest_step() if step is None else step
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        expected = _model_fingerprint(self.config)
+        for key, value in expected.items():
+            if meta.get(key) != value:
+                raise ConfigError(f"checkpoint {self.directory / str(step)} was written for a different {key} "
+                                  f"({meta.get(key)}); use a fresh --workdir or the original {key} config")
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+        return restored["state"], step
+
+    def wait(self) -> None:
+        """Block until every started save is durable on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

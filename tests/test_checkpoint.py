@@ -1,0 +1,113 @@
+"""Checkpoints: exact resume, resharded resume, NaN guard, preemption, wrong-model refusal."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import builder_for, make_config
+from jaxpar.config import CheckpointConfig, DebugConfig, PipelineConfig
+from jaxpar.errors import ConfigError
+from jaxpar.loop import TrainingStopped, train
+
+
+def with_checkpoints(config, every, keep=20):
+    return dataclasses.replace(config, checkpoint=CheckpointConfig(every=every, keep=keep))
+
+
+def drop_checkpoints_after(workdir, step):
+    for path in (workdir / "checkpoints").iterdir():
+        if path.name.isdigit() and int(path.name) > step:
+            shutil.rmtree(path)
+
+
+def logged(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_is_bit_identical_on_the_same_layout(tmp_path):
+    config = with_checkpoints(make_config(dp=2, tp=4, stage=1, steps=8, lr=3e-3), every=3)
+    full = [r["loss"] for r in train(config, builder_for(config).mesh, tmp_path, show_progress=False)]
+    drop_checkpoints_after(tmp_path, 3)  # as if the run had stopped right after step 3's checkpoint
+    resumed = train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    assert [r["step"] for r in resumed] == [4, 5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == full[3:]  # bit-identical
+    assert [r["step"] for r in logged(tmp_path)] == list(range(1, 9))  # no step logged twice
+
+
+def test_checkpoint_restores_onto_another_layout(tmp_path):
+    """(4,1,2) ZeRO-1 -> (2,2,2) ZeRO-2 with 1F1B: the checkpoint holds global arrays."""
+    first = with_checkpoints(make_config(dp=4, tp=2, stage=1, steps=6, lr=3e-3), every=3)
+    full = [r["loss"] for r in train(first, builder_for(first).mesh, tmp_path, show_progress=False)]
+    drop_checkpoints_after(tmp_path, 3)
+    second = dataclasses.replace(make_config(dp=2, pp=2, tp=2, stage=2, steps=6, lr=3e-3),
+                                 pipeline=PipelineConfig(schedule="1f1b", microbatches=2))
+    resumed = train(with_checkpoints(second, every=3), builder_for(second).mesh, tmp_path, show_progress=False)
+    np.testing.assert_allclose([r["loss"] for r in resumed], full[3:], rtol=1e-5)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    config = with_checkpoints(make_config(steps=2), every=1)
+    train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    other = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=256), train=dataclasses.replace(
+        config.train, steps=4))
+    with pytest.raises(ConfigError, match="different model.*fresh --workdir"):
+        train(other, builder_for(other).mesh, tmp_path, show_progress=False)
+
+
+def test_nan_step_is_skipped_and_counted(tmp_path):
+    config = dataclasses.replace(make_config(dp=2, tp=4, steps=5), debug=DebugConfig(nan_at_step=3))
+    records = train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    assert [r["skipped"] for r in records] == [False, False, True, False, False]
+    assert records[-1]["skipped_total"] == 1
+    assert all(np.isfinite(r["loss"]) for r in records[3:])
+    stop = dataclasses.replace(config, train=dataclasses.replace(config.train, on_nan="stop"))
+    with pytest.raises(TrainingStopped, match="step 3"):
+        train(stop, builder_for(stop).mesh, tmp_path / "stop", show_progress=False)
+
+
+def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path):
+    args = [sys.executable, "-m", "jaxpar.train", "--config", "llama_tiny", "--workdir", str(tmp_path),
+            "--config.train.steps=100000"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (
+            (tmp_path / "metrics.jsonl").exists() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "preempted: checkpoint of step" in out
+    saved = max(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved >= 3 and logged(tmp_path)[-1]["step"] <= saved
+    resume = subprocess.run(args[:-1] + [f"--config.train.steps={saved + 2}"], capture_output=True, text=True,
+                            timeout=300)
+    assert resume.returncode == 0, resume.stderr[-2000:]
+    assert f"resuming from step {saved}" in resume.stdout
+    steps = [r["step"] for r in logged(tmp_path)]
+    assert steps[-2:] == [saved + 1, saved + 2] and len(steps) == len(set(steps))
+    os.sync()
+
+
+def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    config = with_checkpoints(make_config(steps=4), every=2)
+    train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    for path in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"garbage")
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=5))
+    records = train(longer, builder_for(longer).mesh, tmp_path, show_progress=False)
+    assert "checkpoint" in capsys.readouterr().out and [r["step"] for r in records] == [3, 4, 5]
+    for step in ("2", "3", "4", "5"):  # nothing readable at all: a clear error, never a fresh start
+        for path in (tmp_path / "checkpoints" / step / "state").rglob("*"):
+            if path.is_file():
+                path.write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="no readable checkpoint"):
+        train(longer, builder_for(longer).mesh, tmp_path, show_progress=False)
