@@ -92,6 +92,8 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
     (JAX_COORDINATOR_ADDRESS) trigger auto-detection by `jax.distributed.initialize()`.
     """
     if coordinator:
+        # CPU processes (tests, laptops) talk over gloo; GPUs use NCCL whatever this says.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
         return True
     slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1"))

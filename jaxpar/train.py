@@ -66,7 +66,10 @@ def run(argv: list[str]) -> int:
     from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
 
     layout = Layout.for_config(config)
-    emulate_cpu_devices(layout.size)  # before JAX touches a backend
+    processes = args.num_processes or 1
+    if layout.size % processes:
+        raise ConfigError(f"--num_processes={processes} does not divide the mesh's {layout.size} devices")
+    emulate_cpu_devices(layout.size // processes)  # each process's share; before JAX touches a backend
     maybe_initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     mesh = layout.make_mesh(devices_for(layout, args.dry_run))
     (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
@@ -77,6 +80,8 @@ def run(argv: list[str]) -> int:
         print(format_report(report))
         print(f"wrote {write_report(report, workdir)}")
         return 0
+    import jax
+
     from jaxpar.loop import TrainingStopped, train
 
     try:
@@ -84,6 +89,8 @@ def run(argv: list[str]) -> int:
     except TrainingStopped as stop:
         print(f"jaxpar: stopped: {stop}", file=sys.stderr)
         return 1
+    if jax.process_index() != 0:
+        return 0
     if records:
         last = records[-1]
         print(f"done: step {last['step']}, loss {last['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}")

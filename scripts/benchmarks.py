@@ -5,6 +5,7 @@
     python scripts/benchmarks.py step_time          # llama_tiny step-time ratios (alternating, one process)
     python scripts/benchmarks.py remat_memory       # llama7b dry-run bytes per remat policy and with optimizer offload
     python scripts/benchmarks.py remat_time         # llama_tiny step time per remat policy / offload vs none
+    python scripts/benchmarks.py checkpoint_time    # orbax save (blocking / total) and restore times
 """
 
 import dataclasses
@@ -145,6 +146,60 @@ def remat_time():
             print(f"| {name} | {seconds * 1e3:.1f} | {seconds / times['none']:.2f} |")
 
 
+def _checkpoint_times(config, workdir, steps=8):
+    """Seconds: (blocking part of an async save, save until durable, restore) and the step-time cost."""
+    import pathlib
+    import shutil
+    import tempfile
+
+    from jaxpar.checkpoint import Checkpointer
+
+    step_fn, state, batch = compiled_step(config)
+    root = pathlib.Path(tempfile.mkdtemp(dir=workdir))
+    try:
+        checkpoints = Checkpointer(root, config)
+        state, metrics = step_fn(state, batch)
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        checkpoints.save(1, state)
+        blocking = time.perf_counter() - start
+        checkpoints.wait()
+        total = time.perf_counter() - start
+        plain, saving = [], []
+        for i in range(steps):  # alternate: steps with and without a save starting alongside
+            t = time.perf_counter()
+            state, metrics = step_fn(state, batch)
+            if i % 2:
+                checkpoints.save(2 + i, state)
+            jax.block_until_ready(metrics)
+            (saving if i % 2 else plain).append(time.perf_counter() - t)
+            checkpoints.wait()
+        builder = StepBuilder(config, mesh_for(config))
+        start = time.perf_counter()
+        restored, _ = checkpoints.restore(builder.abstract_state())
+        jax.block_until_ready(restored)
+        restore = time.perf_counter() - start
+        checkpoints.close()
+        return blocking, total, restore, statistics.median(saving) / statistics.median(plain)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def checkpoint_time():
+    tiny = load_config("llama_tiny.py")
+    big = load_config("llama7b.py")
+    big = dataclasses.replace(big, model=dataclasses.replace(big.model, n_layers=2), mesh=dataclasses.replace(
+        big.mesh, dp=8, tp=1), train=dataclasses.replace(big.train, global_batch_size=8, seq_len=128))
+    print("| state | bytes on disk (GB) | save, blocking (s) | save, until durable (s) | restore (s) | "
+          "step time with a save starting / without |")
+    print("|---|---|---|---|---|---|")
+    for label, config in (("llama_tiny", tiny), ("llama7b shapes, 2 of 32 layers, dp=8 ZeRO-1", big)):
+        blocking, total, restore, ratio = _checkpoint_times(config, "runs")
+        params = sum(x.size for x in jax.tree.leaves(StepBuilder(config, mesh_for(config)).abstract_state().params))
+        state_bytes = params * (2 + 12 if config.precision == "bf16" else 4 + 8)
+        print(f"| {label} | {state_bytes / GB:.2f} | {blocking:.2f} | {total:.2f} | {restore:.2f} | {ratio:.2f} |")
+
+
 if __name__ == "__main__":
     {"zero_memory": zero_memory, "pipeline_memory": pipeline_memory, "step_time": step_time,
-     "remat_memory": remat_memory, "remat_time": remat_time}[sys.argv[1]]()
+     "remat_memory": remat_memory, "remat_time": remat_time, "checkpoint_time": checkpoint_time}[sys.argv[1]]()

@@ -111,3 +111,18 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, c
                 path.write_bytes(b"garbage")
     with pytest.raises(ConfigError, match="no readable checkpoint"):
         train(longer, builder_for(longer).mesh, tmp_path, show_progress=False)
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """scripts/launch_local.sh: 2 JAX processes x 4 emulated devices (gloo over loopback) == 1 x 8."""
+    common = ["--config", "llama_tiny", "--config.train.steps=3"]
+    one = subprocess.run([sys.executable, "-m", "jaxpar.train", *common, "--workdir", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "launch_local.sh")
+    two = subprocess.run(["bash", script, "2", *common, "--workdir", str(tmp_path / "two")], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("done: step 3") == 1  # only process 0 reports
+    np.testing.assert_allclose([r["loss"] for r in logged(tmp_path / "two")],
+                               [r["loss"] for r in logged(tmp_path / "one")], rtol=1e-6)
