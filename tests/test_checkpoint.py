@@ -126,3 +126,25 @@ def test_two_processes_train_like_one(tmp_path):
     assert two.stdout.count("done: step 3") == 1  # only process 0 reports
     np.testing.assert_allclose([r["loss"] for r in logged(tmp_path / "two")],
                                [r["loss"] for r in logged(tmp_path / "one")], rtol=1e-6)
+
+
+def test_kill_9_during_async_saves_leaves_a_readable_checkpoint(tmp_path):
+    """Checkpoint every step and SIGKILL the trainer mid-run: a save is almost surely in flight.
+    Orbax finalises a step by renaming its temporary directory, so the resume finds a complete one."""
+    args = [sys.executable, "-m", "jaxpar.train", "--config", "llama_tiny", "--workdir", str(tmp_path),
+            "--config.checkpoint.every=1", "--config.checkpoint.keep=2"]
+    proc = subprocess.Popen(args + ["--config.train.steps=100000"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((tmp_path / "checkpoints").glob("[0-9]*"))) < 3:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.kill()
+    proc.wait(timeout=60)
+    complete = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert complete, "at least one complete checkpoint must survive"
+    target = complete[-1] + 2
+    resume = subprocess.run(args + [f"--config.train.steps={target}"], capture_output=True, text=True, timeout=300)
+    assert resume.returncode == 0, resume.stderr[-2000:]
+    assert "resuming from step" in resume.stdout
+    assert logged(tmp_path)[-1]["step"] == target

@@ -31,7 +31,8 @@ OTHER_KEYS = {
     "vision.width": int, "vision.depth": int, "vision.n_heads": int, "vision.mlp_dim": int,
     "vision.projector_dim": int, "vision.tp": int, "vision.zero.stage": int, "vision.remat.policy": str,
     "actions.dims": int, "actions.bins": int, "actions.low": float, "actions.high": float,
-    "actions.instruction_len": int,
+    "actions.instruction_len": int, "checkpoint.every": int, "checkpoint.keep": int, "debug.nan_at_step": int,
+    "train.on_nan": str,
 }
 
 
