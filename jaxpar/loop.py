@@ -127,7 +127,7 @@ class StepLogger:
         self.tokens_per_step = config.train.global_batch_size * builder.seq_len
         self.flops_per_step = model_flops_per_step(config, builder.seq_len)
         self.n_devices, self.peak = n_devices, peak_flops_per_device(config.hardware.peak_tflops)
-        self.records, self.pending, self.losses = [], None, []
+        self.records, self.pending, self.spikes = [], None, SpikeDetector()
         self.last_step, self.last_time = start, time.perf_counter()
 
     def submit(self, step: int, metrics: dict, is_last: bool) -> None:
@@ -157,13 +157,26 @@ class StepLogger:
                                   f"the step was not applied and the state before it is checkpointed")
 
     def _check_spike(self, record: dict) -> None:
-        loss = record["loss"]
+        warning = self.spikes.observe(record["step"], record["loss"])
+        if warning:
+            record["loss_spike"] = True
+            tqdm.write(warning)
+
+
+class SpikeDetector:
+    """Flags a loss above mean + 3 sigma of the last SPIKE_WINDOW logged (finite) losses."""
+
+    def __init__(self, window: int = SPIKE_WINDOW, sigmas: float = SPIKE_SIGMAS, warmup: int = 10):
+        self.window, self.sigmas, self.warmup, self.losses = window, sigmas, warmup, []
+
+    def observe(self, step: int, loss: float) -> str | None:
         if not math.isfinite(loss):
-            return
-        if len(self.losses) >= 10:
+            return None
+        warning = None
+        if len(self.losses) >= self.warmup:
             mean, sigma = statistics.fmean(self.losses), statistics.pstdev(self.losses)
-            if sigma > 0 and loss > mean + SPIKE_SIGMAS * sigma:
-                record["loss_spike"] = True
-                tqdm.write(f"warning: loss spike at step {record['step']}: {loss:.4f} > mean {mean:.4f} "
-                           f"+ {SPIKE_SIGMAS:g} sigma ({sigma:.4f}) of the last {len(self.losses)} logged steps")
-        self.losses = (self.losses + [loss])[-SPIKE_WINDOW:]
+            if sigma > 0 and loss > mean + self.sigmas * sigma:
+                warning = (f"warning: loss spike at step {step}: {loss:.4f} > mean {mean:.4f} + {self.sigmas:g} "
+                           f"sigma ({sigma:.4f}) of the last {len(self.losses)} logged steps")
+        self.losses = (self.losses + [loss])[-self.window:]
+        return warning

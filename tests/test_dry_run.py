@@ -129,7 +129,7 @@ def test_memory_analysis_and_collectives_are_reported(dp, tp, stage):
     pd = rep["per_device_bytes"]
     assert pd["peak"] == pd["argument"] + pd["output"] - pd["alias"] + pd["temp"]
     assert pd["temp"] > 0
-    state = pd["params"] + pd["opt_state"] + 4  # + the int32 step counter
+    state = pd["params"] + pd["opt_state"] + 8  # + the int32 step and skipped-steps counters
     batch = 3 * (16 // dp) * 16 * 4  # inputs, targets (int32) and mask (f32), this device's rows
     assert pd["argument"] == state + batch
     assert pd["alias"] == state  # the state is donated: updated in place

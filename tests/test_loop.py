@@ -21,3 +21,15 @@ def test_synthetic_task_is_learnable(tmp_path):
     config = make_config(dp=2, tp=4, stage=2, steps=30, lr=3e-3, warmup_steps=3, seq_len=32)
     records = train(config, builder_for(config).mesh, tmp_path, show_progress=False)
     assert records[-1]["loss"] < 0.85 * records[0]["loss"]
+
+
+def test_spike_detector_flags_three_sigma_jumps_only():
+    from jaxpar.loop import SpikeDetector
+
+    detector = SpikeDetector(window=20)
+    steady = [2.0 + 0.01 * (i % 3) for i in range(15)]
+    assert all(detector.observe(i, loss) is None for i, loss in enumerate(steady))
+    assert detector.observe(15, 2.02) is None  # inside the band
+    warning = detector.observe(16, 3.0)
+    assert warning and "step 16" in warning and "3 sigma" in warning
+    assert detector.observe(17, float("nan")) is None  # NaNs are the NaN guard's business
