@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow dry-run clean
+.PHONY: run test dry-run clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,12 +16,9 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama_tiny.py --workdir runs/llama_tiny
 
-## The test suite (under 15 minutes on 2 cores; tests marked slow are excluded).
+## The test suite (about 6 minutes on 2 cores; tests marked `slow`, none at present, are excluded).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
-
-test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
 
 ## Compile llama7b for 8 emulated devices and report memory and collectives.
 dry-run: $(STAMP)

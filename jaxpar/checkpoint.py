@@ -21,7 +21,11 @@ from jaxpar.errors import ConfigError
 
 
 def _model_fingerprint(config: Config) -> dict:
-    out = {"model": dataclasses.asdict(config.model)}
+    """What must match for a checkpoint to restore: the model's shapes and the state's structure
+    (precision decides whether fp32 master weights exist; clipping adds an optimizer-state entry).
+    The parallel layout may differ freely."""
+    out = {"model": dataclasses.asdict(config.model),
+           "state": {"precision": config.precision, "clipping": config.train.grad_clip > 0}}
     if config.model.kind == "vla":
         out["vision"] = {k: v for k, v in dataclasses.asdict(config.vision).items() if k not in ("tp", "zero", "remat")}
     return out
@@ -63,7 +67,7 @@ class Checkpointer:
         for key, value in expected.items():
             if meta.get(key) != value:
                 raise ConfigError(f"checkpoint {self.directory / str(step)} was written for a different {key} "
-                                  f"({meta.get(key)}); use a fresh --workdir or the original {key} config")
+                                  f"({meta.get(key)}, now {value}); use a fresh --workdir or the original settings")
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         return restored["state"], step
 

@@ -40,7 +40,7 @@ class ZeroConfig:
 class TrainConfig:
     steps: int = 10
     global_batch_size: int = 8
-    seq_len: int = 64
+    seq_len: int = 64  # LLM tokens per example (a VLA derives its own: image + instruction + action tokens)
     seed: int = 0
     lr: float = 3e-4
     warmup_steps: int = 0
@@ -107,7 +107,7 @@ class VisionConfig:
     n_heads: int = 4
     mlp_dim: int = 256
     projector_dim: int = 128
-    tp: int = 1  # 1 (pure data parallel over all devices) or mesh.tp (Megatron layout on the tp axis)
+    tp: int = 1  # a divisor of mesh.tp: the encoder's tensor-parallel group (1: pure data parallel)
     zero: ZeroConfig = ZeroConfig()  # 0-2, over all devices not used by the vision tp
     remat: RematConfig = RematConfig()
 
@@ -373,6 +373,9 @@ def _validate_vla(config: Config) -> None:
     _require(model.kind in ("llama", "vla"), f"model.kind='{model.kind}' is unknown; use llama or vla")
     if model.kind != "vla":
         return
+    for key in ("image_size", "patch_size", "channels", "cameras", "width", "depth", "n_heads", "mlp_dim",
+                "projector_dim", "tp"):
+        _require(getattr(vis, key) >= 1, f"vision.{key}={getattr(vis, key)} must be >= 1")
     _require(vis.image_size % vis.patch_size == 0, f"vision.image_size={vis.image_size} is not divisible by "
                                                    f"vision.patch_size={vis.patch_size}; pick sizes that tile")
     _require(vis.width % vis.n_heads == 0, f"vision.width={vis.width} is not divisible by "

@@ -59,39 +59,55 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
     """Train (or resume) to `config.train.steps`; returns the metric records written in this run."""
     builder = StepBuilder(config, mesh)
     checkpoints = Checkpointer(workdir, config)
-    state, start = _initial_state(builder, checkpoints)
-    data = SyntheticData(config, builder.batch_sharding())
-    compile_start = time.perf_counter()
-    step_fn = builder.jit_train_step().lower(state, data.batch(0)).compile()
-    is_main = jax.process_index() == 0
-    progress = tqdm(total=config.train.steps, initial=start, disable=not (is_main and show_progress), unit="step",
-                    desc=f"compiled in {time.perf_counter() - compile_start:.1f}s; training")
-    logger = StepLogger(MetricsWriter(workdir, enabled=is_main, resume_after=start), progress, config, builder,
-                        mesh.size, start)
-    step, every = start, config.checkpoint.every
-    with Preemption() as preemption:
-        try:
-            while step < config.train.steps and not preemption.requested:
-                state, metrics = step_fn(state, data.batch(step))
-                step += 1
-                logger.flush()  # the previous logged step's metrics, fetched while this step runs
-                logger.submit(step, metrics, is_last=step == config.train.steps)
-                if every and step % every == 0 and step < config.train.steps:
-                    checkpoints.save(step, state)
-            logger.flush()
-        except TrainingStopped:
-            checkpoints.save(step, state)  # the skipped step left the state as it was: keep it
-            raise
-        else:
-            if step > start:  # the end or a preemption: durable before we return
-                checkpoints.save(step, state)
-        finally:
-            checkpoints.close()
-            progress.close()
-            logger.writer.close()
+    try:
+        state, start = _initial_state(builder, checkpoints)
+        data = SyntheticData(config, builder.batch_sharding())
+        compile_start = time.perf_counter()
+        step_fn = builder.jit_train_step().lower(state, data.batch(0)).compile()
+        is_main = jax.process_index() == 0
+        progress = tqdm(total=config.train.steps, initial=start, disable=not (is_main and show_progress),
+                        unit="step", desc=f"compiled in {time.perf_counter() - compile_start:.1f}s; training")
+        logger = StepLogger(MetricsWriter(workdir, enabled=is_main, resume_after=start), progress, config, builder,
+                            mesh.size, start)
+        with Preemption() as preemption:
+            try:
+                step = _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption)
+            finally:
+                progress.close()
+                logger.writer.close()
+    finally:
+        checkpoints.close()  # waits for every started save to be durable
     if preemption.requested:
         print(f"preempted: checkpoint of step {step} written to {checkpoints.directory}")
     return logger.records
+
+
+def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption) -> int:
+    """The step loop; returns the last step run. Ends with a checkpoint of the last step (at the end,
+    on preemption, or on a train.on_nan=stop), unless that step was just checkpointed."""
+    step, saved, every, steps = start, start, config.checkpoint.every, config.train.steps
+    try:
+        while step < steps and not preemption.requested:
+            state, metrics = step_fn(state, data.batch(step))
+            step += 1
+            logger.flush()  # the previous logged step's metrics, fetched while this step runs
+            if config.train.on_nan == "stop" and bool(metrics["skipped"]):  # a host sync per step, this mode only
+                logger.submit(step, metrics, is_last=True)
+                logger.flush()
+                raise TrainingStopped(f"step {step}: loss or gradients not finite and train.on_nan=stop; the step "
+                                      f"was not applied, and the checkpoint of step {step} holds the weights "
+                                      f"from before it")
+            logger.submit(step, metrics, is_last=step == steps)
+            if every and step % every == 0 and step < steps:
+                checkpoints.save(step, state)
+                saved = step
+        logger.flush()
+    except TrainingStopped:
+        checkpoints.save(step, state)  # the skipped step left the weights as they were
+        raise
+    if step > saved:  # (after another error the state may be gone: nothing is saved then)
+        checkpoints.save(step, state)
+    return step
 
 
 def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):
@@ -152,9 +168,6 @@ class StepLogger:
         self.progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         self.progress.update(step - self.last_step)
         self.last_step, self.last_time = step, now
-        if record["skipped"] and self.config.train.on_nan == "stop":
-            raise TrainingStopped(f"step {step}: loss or gradients not finite and train.on_nan=stop; "
-                                  f"the step was not applied and the state before it is checkpointed")
 
     def _check_spike(self, record: dict) -> None:
         warning = self.spikes.observe(record["step"], record["loss"])

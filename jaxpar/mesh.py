@@ -21,9 +21,10 @@ from jax.sharding import AxisType, Mesh
 
 from jaxpar.config import MeshConfig
 from jaxpar.errors import ConfigError
+from jaxpar.sharding import TP_INNER
 
 AXES = ("dp", "pp", "tp")
-TP_INNER = "tpv"  # the inner part of tp that a VLA's smaller vision tp uses (see Layout)
+
 
 
 @dataclasses.dataclass(frozen=True)

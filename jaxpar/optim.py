@@ -25,9 +25,14 @@ def lr_schedule(train: TrainConfig) -> optax.Schedule:
     return lambda count: schedule(count + 1)
 
 
+NO_DECAY = ("norm", "scale", "bias", "pos_embed")  # norms, LayerNorm scale/bias, ViT position embedding
+
+
 def decay_mask(params):
-    """Weight decay on matrices only: not on norm scales (Llama / Megatron practice)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+    """Weight decay on weight matrices only (Llama / Megatron / ViT practice): not on norm scales,
+    biases or position embeddings."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(word in jax.tree_util.keystr(path) for word in NO_DECAY), params)
 
 
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:

@@ -46,7 +46,7 @@ class Rules:
 
 
 LLM_RULES = Rules(RULES)
-TP_INNER = "tpv"  # jaxpar.mesh.TP_INNER: present when a VLA's vision tp splits the tp axis
+TP_INNER = "tpv"  # the inner part of a split tp axis (jaxpar.mesh.Layout), present when a VLA's vision tp splits it
 
 
 def tensor_axes(mesh) -> str | tuple[str, ...]:

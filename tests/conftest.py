@@ -31,6 +31,14 @@ def builder_for(config: Config) -> StepBuilder:
     return StepBuilder(config, mesh)
 
 
+def tp_local_params(model, tp: int) -> int:
+    """Parameters per tp rank in the Megatron layout (vocab, heads, kv heads and d_ff split over tp),
+    written out by hand as the oracle for the ZeRO formulas and collective byte counts."""
+    d, n, k, h, f, v = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.vocab_size
+    per_layer = 2 * d + (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) // tp
+    return 2 * v * d // tp + d + model.n_layers * per_layer
+
+
 def replace(config: Config, **groups) -> Config:
     """Return `config` with whole groups replaced, e.g. replace(c, zero=ZeroConfig(stage=2))."""
     return dataclasses.replace(config, **groups)

@@ -68,15 +68,18 @@ def test_nan_step_is_skipped_and_counted(tmp_path):
     assert [r["skipped"] for r in records] == [False, False, True, False, False]
     assert records[-1]["skipped_total"] == 1
     assert all(np.isfinite(r["loss"]) for r in records[3:])
-    stop = dataclasses.replace(config, train=dataclasses.replace(config.train, on_nan="stop"))
-    with pytest.raises(TrainingStopped, match="step 3"):
+    stop = dataclasses.replace(config, train=dataclasses.replace(config.train, on_nan="stop", log_every=4))
+    with pytest.raises(TrainingStopped, match="step 3"):  # caught although step 3 is not a logged step
         train(stop, builder_for(stop).mesh, tmp_path / "stop", show_progress=False)
+    saved = sorted(int(p.name) for p in (tmp_path / "stop" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [3]  # the state after the skipped step: step 2's weights, nothing of step 4
 
 
 def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path):
     args = [sys.executable, "-m", "jaxpar.train", "--config", "llama_tiny", "--workdir", str(tmp_path),
             "--config.train.steps=100000"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args + ["--config.checkpoint.every=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # every=1: the last step is always checkpointed already (no double save)
     deadline = time.time() + 120
     while time.time() < deadline and not (
             (tmp_path / "metrics.jsonl").exists() and len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 3):
@@ -148,3 +151,12 @@ def test_kill_9_during_async_saves_leaves_a_readable_checkpoint(tmp_path):
     assert resume.returncode == 0, resume.stderr[-2000:]
     assert "resuming from step" in resume.stdout
     assert logged(tmp_path)[-1]["step"] == target
+
+
+def test_a_checkpoint_of_another_precision_is_refused_not_quarantined(tmp_path):
+    config = with_checkpoints(make_config(steps=2), every=1)
+    train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    bf16 = dataclasses.replace(config, precision="bf16", train=dataclasses.replace(config.train, steps=3))
+    with pytest.raises(ConfigError, match="different state"):
+        train(bf16, builder_for(bf16).mesh, tmp_path, show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import TINY_MODEL, builder_for, make_config
+from conftest import TINY_MODEL, builder_for, make_config, tp_local_params
 from jaxpar import hlo
 from jaxpar.config import RematConfig
 from jaxpar.dry_run import local_param_count
@@ -37,13 +37,6 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 # ----------------------------------------------------------------------------- helpers
 
-def tp_local_params(model, tp: int) -> int:
-    """Parameters per tp rank, from the Megatron layout: vocab, heads, kv heads and d_ff split over tp."""
-    d, n, k, h, f, v = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.vocab_size
-    per_layer = 2 * d + (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) // tp
-    return 2 * v * d // tp + d + model.n_layers * per_layer
-
-
 def layer_params_local(model, tp: int) -> int:
     return tp_local_params(model, tp) - tp_local_params(dataclasses.replace(model, n_layers=0), tp)
 
@@ -54,11 +47,9 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\
 
 def explicit_groups(text: str) -> str:
     """Rewrite XLA's `replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}` form (optionally with
-    `device_ids=([2,4]T(1,0))`) into explicit `{{0,4},{1,5},...}` groups.
-
-    jaxpar.hlo does not parse this form and labels such collectives as over all devices ("dp+tp"),
-    see test_hlo_parser_reads_mesh_replica_groups; the tests below want the true axis.
-    """
+    `device_ids=([2,4]T(1,0))`) into explicit `{{0,4},{1,5},...}` groups: a second, independent
+    reading of the form, which test_hlo_parser_reads_mesh_replica_groups holds jaxpar.hlo to, and
+    which the instruction-level checks below use."""
     def repl(m):
         names = [item.split("=")[0].strip().strip("'") for item in m.group(1).split(",")]
         sizes = [int(item.split("=")[1]) for item in m.group(1).split(",")]
@@ -76,7 +67,7 @@ def explicit_groups(text: str) -> str:
 
 
 def colls(text: str, mesh) -> list[dict]:
-    return hlo.collectives(explicit_groups(text), mesh)
+    return hlo.collectives(text, mesh)
 
 
 def total(entries, op, axis=None, dtype=None) -> tuple[int, float]:
@@ -336,7 +327,7 @@ def test_hlo_parser_reads_mesh_replica_groups():
     builder, _, _ = step(2, 4, 1)
     text = step_optimised(2, 4, 1)
     assert "replica_groups=mesh[" in text  # the optimised program does use the form
-    assert hlo.collectives(text, builder.mesh) == colls(text, builder.mesh)
+    assert hlo.collectives(text, builder.mesh) == hlo.collectives(explicit_groups(text), builder.mesh)
 
 
 # ----------------------------------------------------------------------------- 3. bf16 reductions

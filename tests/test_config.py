@@ -314,3 +314,12 @@ def test_override_below_a_scalar_in_the_file_is_a_config_error(tmp_path):
     path = write_config(tmp_path, "def get_config():\n    return {'mesh': 4}\n")
     with pytest.raises(ConfigError, match="'mesh'"):
         load_config(path, ["mesh.tp=2"])
+
+
+def test_config_name_lists_match_the_implementations():
+    """config.py keeps its own lists so a config mistake is caught before JAX is imported."""
+    from jaxpar.config import PIPELINE_SCHEDULES, REMAT_POLICIES
+    from jaxpar.parallel.remat import POLICIES
+    from jaxpar.parallel.schedule import SCHEDULES
+
+    assert REMAT_POLICIES == POLICIES and PIPELINE_SCHEDULES == SCHEDULES

@@ -16,7 +16,7 @@ from unittest import mock
 import jax
 import pytest
 
-from conftest import make_config
+from conftest import make_config, tp_local_params
 from jaxpar import dry_run as dr
 from jaxpar.config import MeshConfig, ModelConfig, ZeroConfig, load_config
 from jaxpar.mesh import Layout
@@ -28,13 +28,6 @@ MESHES = [(8, 1), (4, 2)]
 STAGES = [0, 1, 2, 3]
 LLAMA7B_PARAMS = 6_738_415_616
 MODEL_PARAMS = 1_836_288
-
-
-def tp_local_params(model, tp: int) -> int:
-    """Parameters per tp rank in the Megatron layout: vocab, heads, kv heads and d_ff split over tp."""
-    d, n, k, h, f, v = model.d_model, model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.vocab_size
-    per_layer = 2 * d + (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) // tp
-    return 2 * v * d // tp + d + model.n_layers * per_layer
 
 
 def expected_bytes(precision: str, stage: int, psi: int, dp: int) -> dict:

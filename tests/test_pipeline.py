@@ -2,13 +2,14 @@
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config
 from jaxpar.config import ModelConfig, PipelineConfig
 from jaxpar.dry_run import dry_run
-from jaxpar.parallel.schedule import IDLE, build, ideal_bubble
+from jaxpar.parallel.schedule import IDLE, build
 from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
 
 FOUR_LAYERS = dataclasses.replace(TINY_MODEL, n_layers=4)
@@ -32,7 +33,6 @@ def test_schedule_table_order_and_bubble(kind, p, m):
     for s in range(p):  # every microbatch exactly once per stage, each way
         assert sorted(table.forward[:, s][table.forward[:, s] != IDLE]) == list(range(m))
         assert sorted(table.backward[:, s][table.backward[:, s] != IDLE]) == list(range(m))
-    assert table.idle_fraction() == pytest.approx(ideal_bubble(p, m))
     assert table.idle_fraction() == pytest.approx((p - 1) / (m + p - 1))
 
 
@@ -60,15 +60,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("layout,schedule,m", CASES)
+@pytest.mark.parametrize("layout,schedule,m", CASES + [((2, 2, 2), "1f1b-bf16", 4)])
 def test_pipeline_matches_single_device(layout, schedule, m):
     dp, pp, tp = layout
     ref_grads, ref_losses, _ = reference(model=FOUR_LAYERS, global_batch_size=BATCH)
-    config = make_config(dp=dp, pp=pp, tp=tp, stage=1 if dp > 1 else 0, model=FOUR_LAYERS, global_batch_size=BATCH)
-    config = dataclasses.replace(config, pipeline=PipelineConfig(schedule=schedule, microbatches=m))
+    bf16 = schedule.endswith("-bf16")
+    config = make_config(dp=dp, pp=pp, tp=tp, stage=1 if dp > 1 else 0, model=FOUR_LAYERS, global_batch_size=BATCH,
+                         precision="bf16" if bf16 else "fp32")
+    config = dataclasses.replace(config, pipeline=PipelineConfig(schedule=schedule.split("-")[0], microbatches=m))
     grads, losses, state = run(config)
-    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
-    assert_grads_close(grads, ref_grads)
+    if bf16:  # bf16 compute: close to the fp32 reference, not equal (see test_equivalence)
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-3)
+        jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=0, atol=0.03 * np.max(np.abs(e))),
+                     grads, ref_grads)
+    else:
+        np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+        assert_grads_close(grads, ref_grads)
     wq = state.params["layers"]["wq"]  # [layers, embed, heads, head_dim]: layers over pp, heads over tp
     local = {shard.data.shape for shard in wq.addressable_shards}
     assert local == {(4 // pp, wq.shape[1], wq.shape[2] // tp, wq.shape[3])}

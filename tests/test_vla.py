@@ -118,11 +118,14 @@ def reference():
 @pytest.mark.parametrize("mesh,schedule,vision_tp", [
     ((2, 2, 2), "1f1b", 1), ((2, 2, 2), "1f1b", 2), ((2, 2, 2), "gpipe", 2),
     ((1, 2, 4), "1f1b", 2),  # vision tp 2 inside tp 4: the tp axis is split into ("tp", "tpv")
+    ((2, 1, 4), "zero2", 2),  # no pipeline: the LLM's ZeRO-2 grad taps with image tokens
+    ((4, 1, 2), "zero3", 1),  # no pipeline: the LLM's ZeRO-3 gathers with image tokens
 ])
 def test_vla_matches_single_device(mesh, schedule, vision_tp):
     ref_losses, ref_grads, _ = reference()
+    pipe = dict(schedule=schedule) if mesh[1] > 1 else dict(microbatches=1)
     config = with_values(BASE, mesh=dict(dp=mesh[0], pp=mesh[1], tp=mesh[2]), vision=dict(tp=vision_tp),
-                         pipeline=dict(schedule=schedule))
+                         pipeline=pipe, zero=dict(stage=int(schedule[-1]) if schedule.startswith("zero") else 1))
     losses, grads, state = run(config)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 

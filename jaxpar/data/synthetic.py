@@ -30,7 +30,8 @@ def synthetic_batch(seed: int, step: int, batch_size: int, seq_len: int, vocab_s
 
 
 class SyntheticData:
-    """Yields global batches placed in the mesh's batch layout (each process builds only its rows)."""
+    """Yields global batches placed in the mesh's batch layout. Every process builds the (small,
+    synthetic) global batch on the host and hands JAX only the rows its devices hold."""
 
     def __init__(self, config, sharding):
         self.config, self.sharding = config, sharding

@@ -4,7 +4,8 @@ ViT: non-overlapping patches -> linear patch embedding + learned position embedd
 transformer blocks with bidirectional multi-head attention and a GELU MLP, final LayerNorm. With
 several cameras each image is encoded separately and the patch tokens are concatenated.
 Projector: a 2-layer GELU MLP into the LLM width (LLaVA / OpenVLA). Tensor parallel in the Megatron
-layout over the vision tp axis, through the same `Collectives` hooks as the LLM.
+layout over the vision tp axis, through the same `Collectives` hooks as the LLM, and with the same
+checkpoint_name tags, so the remat policies of jaxpar.parallel.remat mean the same for the encoder.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import VisionConfig
 from jaxpar.layers.collectives import Collectives
@@ -86,12 +88,13 @@ def patchify(images_BxHxWxC: jax.Array, patch: int) -> jax.Array:
 def vit_block(x_BxNxD: jax.Array, p: dict, coll: Collectives) -> jax.Array:
     p = coll.gather_weights(p, BLOCK_AXES)
     h = layer_norm(x_BxNxD, p["ln1_scale"], p["ln1_bias"])
-    q, k, v = (jnp.einsum("bnd,dhk->bnhk", h, p[w]) for w in ("wq", "wk", "wv"))
-    o = jax.nn.dot_product_attention(q, k, v)  # bidirectional
-    x_BxNxD = x_BxNxD + coll.tp_sum(jnp.einsum("bnhk,hkd->bnd", o, p["wo"]))
+    q, k, v = (checkpoint_name(jnp.einsum("bnd,dhk->bnhk", h, p[w]), name)
+               for w, name in (("wq", "query_proj"), ("wk", "key_proj"), ("wv", "value_proj")))
+    o = checkpoint_name(jax.nn.dot_product_attention(q, k, v), "attention_out")  # bidirectional
+    x_BxNxD = x_BxNxD + checkpoint_name(coll.tp_sum(jnp.einsum("bnhk,hkd->bnd", o, p["wo"])), "attention_proj")
     h = layer_norm(x_BxNxD, p["ln2_scale"], p["ln2_bias"])
-    hidden = jax.nn.gelu(jnp.einsum("bnd,df->bnf", h, p["w_in"]))
-    return x_BxNxD + coll.tp_sum(jnp.einsum("bnf,fd->bnd", hidden, p["w_out"]))
+    hidden = jax.nn.gelu(checkpoint_name(jnp.einsum("bnd,df->bnf", h, p["w_in"]), "mlp_up"))
+    return x_BxNxD + checkpoint_name(coll.tp_sum(jnp.einsum("bnf,fd->bnd", hidden, p["w_out"])), "mlp_out")
 
 
 def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll: Collectives,

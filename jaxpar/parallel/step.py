@@ -33,7 +33,8 @@ from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import remat, schedule as pipeline_schedule
 from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.parallel.vision import VisionComponent
-from jaxpar.sharding import DP, StateSpecs, tensor_axes, zero_dim
+from jaxpar.parallel.zero import reduce_gradients
+from jaxpar.sharding import DP, StateSpecs, llm_rules, tensor_axes, zero_dim
 
 
 HOST = "pinned_host"  # memory kind of offloaded optimizer state
@@ -71,7 +72,8 @@ class StepBuilder:
         self.mesh = mesh
         self.stage = config.zero.stage
         self.axes = llama.param_axes()  # the LLM's; the vision component keeps its own
-        self.specs = StateSpecs(self.axes, self.stage, mesh)
+        self.specs_rules = llm_rules(mesh)
+        self.specs = StateSpecs(self.axes, self.stage, mesh, self.specs_rules)
         self.vision = VisionComponent(config, mesh) if config.model.kind == "vla" else None
         if self.vision is not None:
             self.specs = self.specs.merged(self.vision.specs)
@@ -162,7 +164,6 @@ class StepBuilder:
 
     # ------------------------------------------------------------------ loss and gradients
     def collectives(self) -> Collectives:
-        sizes = self.mesh.shape
         return Collectives(tp_axis=tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None,
                            zero3_axis=DP if self.gathers_weights else None,
                            zero2_axis=DP if self.taps_grads else None)
@@ -172,14 +173,11 @@ class StepBuilder:
         return remat.layer_policy(self.config.remat.policy, regathers_weights=self.gathers_weights)
 
     def _reduce_grads_over_dp(self, grads):
-        reduce_dtype = self.compute_dtype
-        if self.dp_axis is None or self.gathers_weights or self.taps_grads:  # already reduce-scattered by the transpose of the per-layer all-gather
+        """The LLM's one gradient reduction over dp. ZeRO-3's gathers and ZeRO-2's grad taps already
+        reduce-scattered inside the backward, layer by layer."""
+        if self.dp_axis is None or self.gathers_weights or self.taps_grads:
             return grads
-        if self.stage >= 2:
-            def scatter(g, axes):
-                return jax.lax.psum_scatter(g.astype(reduce_dtype), DP, scatter_dimension=zero_dim(axes), tiled=True)
-            return jax.tree.map(scatter, grads, self.axes)
-        return jax.tree.map(lambda g: jax.lax.psum(g.astype(reduce_dtype), DP), grads)
+        return reduce_gradients(grads, self.axes, DP, self.stage >= 2, self.specs_rules, self.compute_dtype)
 
     def _local_loss_and_grads(self, params, batch):
         """Per-device body of the shard_map: (vision encoder,) the LLM, then the gradient reductions."""
@@ -280,7 +278,8 @@ class StepBuilder:
                              skipped=state.skipped)
         kept = state.replace(step=state.step + 1, skipped=state.skipped + 1)
         new_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), applied, kept)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": self.schedule(state.step),
+        metrics = {"loss": loss, "grad_norm": grad_norm,  # optax counts applied updates only: skips don't advance it
+                   "learning_rate": self.schedule(state.step - state.skipped),
                    "skipped": ~finite, "skipped_total": new_state.skipped}
         if with_grads:
             metrics["grads"] = grads

@@ -23,7 +23,8 @@ from jaxpar.config import Config
 from jaxpar.layers.collectives import Collectives
 from jaxpar.models import vit
 from jaxpar.parallel import remat
-from jaxpar.sharding import StateSpecs, vision_rules, zero_dim
+from jaxpar.parallel.zero import reduce_gradients
+from jaxpar.sharding import StateSpecs, vision_rules
 
 
 class VisionComponent:
@@ -74,9 +75,4 @@ class VisionComponent:
         """Sum (ZeRO 0/1) or reduce-scatter (ZeRO 2) the encoder's gradients over its data axes."""
         if not self.data_axes:
             return grads
-        if self.cfg.zero.stage >= 2:
-            def scatter(g, axes):
-                return jax.lax.psum_scatter(g.astype(dtype), self.data_axes,
-                                            scatter_dimension=zero_dim(axes, self.rules), tiled=True)
-            return jax.tree.map(scatter, grads, self.axes)
-        return jax.tree.map(lambda g: jax.lax.psum(g.astype(dtype), self.data_axes), grads)
+        return reduce_gradients(grads, self.axes, self.data_axes, self.cfg.zero.stage >= 2, self.rules, dtype)
