@@ -6,7 +6,7 @@ group is the inner half of each LLM TP=8 group (jaxpar.mesh.Layout splits tp int
 the encoder's batch is split over dp x pp x the outer tp. One difference from the seed: its
 projector runs data-parallel over 64 GPUs, jaxpar's rides with the encoder (replicated inside each
 vision TP pair, so DP=32); the projector is ~20M parameters, so this costs nothing that shows.
-Peak per device from the dry run: about 41 GB (BENCHMARKS.md), well inside an A100-80GB.
+Peak per device from the dry run: about 49 GB (BENCHMARKS.md), well inside an A100-80GB.
 
     python -m jaxpar.train --config vla70b.py --dry_run --workdir runs/vla70b_dry   # 64 emulated devices
     python -m jaxpar.train --config vla70b.py                                       # on 64 real GPUs
