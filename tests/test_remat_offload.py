@@ -13,7 +13,7 @@ from jaxpar.dry_run import dry_run
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.remat import POLICIES
 from jaxpar.parallel.step import HOST, _check_host_memory
-from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
+from test_equivalence import LOSS_RTOL, reference, run
 
 FOUR_LAYERS = dataclasses.replace(TINY_MODEL, n_layers=4)
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.config import ConfigError, MeshConfig, PipelineConfig, ZeroConfig, load_config, validate
+from jaxpar.config import ConfigError, MeshConfig, ZeroConfig, load_config, validate
 from jaxpar.mesh import Layout
 from jaxpar.models import vit, vla
 from jaxpar.parallel.step import StepBuilder
