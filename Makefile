@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama_tiny.py --workdir runs/llama_tiny
 
-## The test suite (about 6 minutes on 2 cores; tests marked `slow`, none at present, are excluded).
+## The test suite (about 9 minutes on 2 cores; tests marked `slow`, none at present, are excluded).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
