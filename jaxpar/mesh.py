@@ -19,7 +19,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import MeshConfig
 from jaxpar.errors import ConfigError
 from jaxpar.sharding import TP_INNER
 
@@ -40,10 +39,6 @@ class Layout:
     pp: int = 1
     tp: int = 1
     tp_split: int = 1
-
-    @classmethod
-    def from_config(cls, mesh: MeshConfig) -> "Layout":
-        return cls(dp=mesh.dp, pp=mesh.pp, tp=mesh.tp)
 
     @classmethod
     def for_config(cls, config) -> "Layout":

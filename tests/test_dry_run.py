@@ -36,7 +36,7 @@ def expected_bytes(precision: str, stage: int, psi: int, dp: int) -> dict:
 
 
 def mesh_for(config):
-    return Layout.from_config(config.mesh).make_mesh()
+    return Layout.for_config(config).make_mesh()
 
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}

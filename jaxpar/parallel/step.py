@@ -294,8 +294,3 @@ class StepBuilder:
         return jax.jit(functools.partial(self.train_step, with_grads=with_grads),
                        in_shardings=(state_sh, self.batch_sharding()),
                        out_shardings=(state_sh, metrics_sh), donate_argnums=(0,))
-
-    def jit_loss_and_grads(self):
-        return jax.jit(self.loss_and_grads,
-                       in_shardings=(self._named(self.specs.params), self.batch_sharding()),
-                       out_shardings=(NamedSharding(self.mesh, P()), self._named(self.specs.grads)))
