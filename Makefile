@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test dry-run clean
+.PHONY: run test test-slow dry-run plan clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,13 +16,22 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama_tiny.py --workdir runs/llama_tiny
 
-## The test suite (about 9 minutes on 2 cores; tests marked `slow`, none at present, are excluded).
+## The test suite (about 11 minutes on 2 cores; tests marked `slow` are excluded: `make test-slow` runs them).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 ## Compile llama7b for 8 emulated devices and report memory and collectives.
 dry-run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama7b.py --dry_run --workdir runs/llama7b_dry
+
+## Tests marked slow: the proof-of-learning runs (minutes each).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+## Analytic memory / step-time plan and layout recommendation (no compile).
+plan: $(STAMP)
+	$(BIN)/python -m jaxpar.plan --config llama7b.py
+	$(BIN)/python -m jaxpar.plan --config vla70b.py --recommend --gpus 64 --gpus_per_node 8 --gpu a100-80gb
 
 clean:
 	rm -rf runs .pytest_cache

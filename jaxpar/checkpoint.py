@@ -2,9 +2,9 @@
 
 A checkpoint stores global arrays (orbax writes each process's shards of the global array), so it
 restores onto any other valid (dp, pp, tp, zero.stage): the target shardings come from the new
-layout's abstract state. Next to the state it stores, as JSON, the step (which is also the data
-position: the synthetic data of step k depends only on (seed, k)) and the model shape, checked on
-restore. Orbax writes each step into a temporary directory and renames it when complete, so a
+layout's abstract state. Next to the state it stores, as JSON, the step, the data iterator's state
+(jaxpar.data.pipeline: grain's position, or the synthetic data's step) and the model shape, checked
+on restore. Orbax writes each step into a temporary directory and renames it when complete, so a
 process killed mid-save leaves the previous checkpoint as the latest readable one.
 """
 
@@ -53,14 +53,16 @@ class Checkpointer:
         self.manager.reload()
         return target
 
-    def save(self, step: int, state) -> None:
-        """Start an asynchronous save of `state` after optimizer step `step`; training goes on."""
-        meta = {"step": step, **_model_fingerprint(self.config)}
+    def save(self, step: int, state, data_state: dict | None = None) -> None:
+        """Start an asynchronous save of `state` after optimizer step `step`, with the data iterator's
+        state at that point (the next batch to read); training goes on."""
+        meta = {"step": step, "data": data_state, **_model_fingerprint(self.config)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
     def restore(self, abstract_state, step: int | None = None):
-        """(state laid out as `abstract_state`'s shardings, step) from the latest complete checkpoint."""
+        """(state laid out as `abstract_state`'s shardings, step, data iterator state or None) from the
+        latest complete checkpoint (or `step`)."""
         step = self.latest_step() if step is None else step
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         expected = _model_fingerprint(self.config)
@@ -69,7 +71,7 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint {self.directory / str(step)} was written for a different {key} "
                                   f"({meta.get(key)}, now {value}); use a fresh --workdir or the original settings")
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
-        return restored["state"], step
+        return restored["state"], step, meta.get("data")
 
     def wait(self) -> None:
         """Block until every started save is durable on disk."""

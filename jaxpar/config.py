@@ -132,6 +132,27 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where batches come from (jaxpar.data). An empty `train` means synthetic data; otherwise a
+    directory of token shards (scripts/prepare_text.py; model.kind=llama) or of episodes
+    (scripts/make_vla_data.py; model.kind=vla). Relative paths are relative to the working directory."""
+
+    train: str = ""
+    eval: str = ""  # held-out directory of the same kind; "" = no evaluation
+    generate: bool = False  # make the demo data (llama: Python's stdlib sources; vla: the procedural task) if absent
+    workers: int = 0  # grain worker processes per JAX process (0: read in the training process)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation on data.eval every `every` steps (0: only at the end) over `batches` global batches
+    (0: the whole held-out split)."""
+
+    every: int = 0
+    batches: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class DebugConfig:
     nan_at_step: int = 0  # inject a NaN into this step's gradients (tests the NaN guard); 0 = never
 
@@ -163,6 +184,8 @@ class Config:
     offload: OffloadConfig = OffloadConfig()
     vision: VisionConfig = VisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
     debug: DebugConfig = DebugConfig()
     actions: ActionConfig = ActionConfig()
     hardware: HardwareConfig = HardwareConfig()
@@ -329,6 +352,11 @@ def _validate_ranges(config: Config) -> None:
     _require(train.on_nan in ("skip", "stop"), f"train.on_nan='{train.on_nan}' is unknown; use skip or stop")
     _require(config.checkpoint.every >= 0 and config.checkpoint.keep >= 1,
              "checkpoint.every must be >= 0 (0: at the end only) and checkpoint.keep >= 1")
+    for key, value in (("eval.every", config.eval.every), ("eval.batches", config.eval.batches),
+                       ("data.workers", config.data.workers)):
+        _require(value >= 0, f"{key}={value} must be >= 0")
+    _require(not config.data.eval or config.data.train, f"data.eval='{config.data.eval}' needs data.train: "
+                                                        f"evaluation runs on real data; set data.train too")
     _require(train.warmup_steps >= 0, f"train.warmup_steps={train.warmup_steps} must be >= 0")
     _require(config.zero.stage in (0, 1, 2, 3), f"zero.stage={config.zero.stage} is out of range; use 0, 1, 2 or 3")
     _require(config.remat.policy in REMAT_POLICIES,

@@ -1,7 +1,9 @@
-"""The training loop: resume, compile once, dispatch step N then fetch step N-1's metrics, checkpoint.
+"""The training loop: resume, compile once, dispatch step N then fetch step N-1's metrics, checkpoint,
+evaluate.
 
 The only host syncs are the metric fetches of logged steps (one step late, so the device always has
-the next step queued) and checkpoint saves, which orbax writes asynchronously. SIGTERM / SIGINT
+the next step queued), evaluations (every eval.every steps and at the end) and checkpoint saves,
+which orbax writes asynchronously. SIGTERM / SIGINT
 finish the current step, write a checkpoint, wait until it is durable and return; a second signal
 exits at once.
 """
@@ -20,8 +22,9 @@ from tqdm import tqdm
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
-from jaxpar.data.synthetic import SyntheticData
+from jaxpar.data.pipeline import eval_data, train_data
 from jaxpar.metrics import MetricsWriter, mfu, model_flops_per_step, peak_flops_per_device
+from jaxpar.parallel.evaluate import Evaluator, metrics_from_sums
 from jaxpar.parallel.step import StepBuilder
 
 SPIKE_WINDOW = 50  # logged losses in the running window of the spike detector
@@ -60,18 +63,21 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
     builder = StepBuilder(config, mesh)
     checkpoints = Checkpointer(workdir, config)
     try:
-        state, start = _initial_state(builder, checkpoints)
-        data = SyntheticData(config, builder.batch_sharding())
+        data = train_data(config, builder.batch_sharding())
+        state, start, data_state = _initial_state(builder, checkpoints)
+        if data_state is not None:
+            data.set_state(data_state)
         compile_start = time.perf_counter()
-        step_fn = builder.jit_train_step().lower(state, data.batch(0)).compile()
+        step_fn = builder.jit_train_step().lower(state, builder.abstract_batch()).compile()
         is_main = jax.process_index() == 0
         progress = tqdm(total=config.train.steps, initial=start, disable=not (is_main and show_progress),
                         unit="step", desc=f"compiled in {time.perf_counter() - compile_start:.1f}s; training")
         logger = StepLogger(MetricsWriter(workdir, enabled=is_main, resume_after=start), progress, config, builder,
                             mesh.size, start)
+        evaluation = Evaluation(config, builder, logger) if config.data.eval else None
         with Preemption() as preemption:
             try:
-                step = _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption)
+                step = _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation)
             finally:
                 progress.close()
                 logger.writer.close()
@@ -82,13 +88,14 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
     return logger.records
 
 
-def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption) -> int:
+def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation=None) -> int:
     """The step loop; returns the last step run. Ends with a checkpoint of the last step (at the end,
-    on preemption, or on a train.on_nan=stop), unless that step was just checkpointed."""
+    on preemption, or on a train.on_nan=stop), unless that step was just checkpointed, and, when the
+    run reached train.steps, an evaluation of it."""
     step, saved, every, steps = start, start, config.checkpoint.every, config.train.steps
     try:
         while step < steps and not preemption.requested:
-            state, metrics = step_fn(state, data.batch(step))
+            state, metrics = step_fn(state, data.next_batch())
             step += 1
             logger.flush()  # the previous logged step's metrics, fetched while this step runs
             if config.train.on_nan == "stop" and bool(metrics["skipped"]):  # a host sync per step, this mode only
@@ -99,14 +106,16 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
                                       f"from before it")
             logger.submit(step, metrics, is_last=step == steps)
             if every and step % every == 0 and step < steps:
-                checkpoints.save(step, state)
+                checkpoints.save(step, state, data.get_state())
                 saved = step
+            if evaluation is not None and evaluation.due(step):
+                evaluation.run(step, state.params)
         logger.flush()
     except TrainingStopped:
-        checkpoints.save(step, state)  # the skipped step left the weights as they were
+        checkpoints.save(step, state, data.get_state())  # the skipped step left the weights as they were
         raise
     if step > saved:  # (after another error the state may be gone: nothing is saved then)
-        checkpoints.save(step, state)
+        checkpoints.save(step, state, data.get_state())
     return step
 
 
@@ -118,10 +127,10 @@ def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):
     """
     steps = checkpoints.all_steps()
     if not steps:
-        return builder.init_state(builder.config.train.seed), 0
+        return builder.init_state(builder.config.train.seed), 0, None
     for step in sorted(steps, reverse=True):
         try:
-            state, step = checkpoints.restore(builder.abstract_state(), step)
+            state, step, data_state = checkpoints.restore(builder.abstract_state(), step)
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - any read failure means: try the previous checkpoint
@@ -130,8 +139,33 @@ def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):
                   f"{moved} and trying the previous one")
             continue
         print(f"resuming from step {step} ({checkpoints.directory})")
-        return state, step
+        return state, step, data_state
     raise ConfigError(f"no readable checkpoint in {checkpoints.directory}; move it away or use a fresh --workdir")
+
+
+class Evaluation:
+    """Held-out metrics every eval.every steps and at train.steps, written to metrics.jsonl."""
+
+    def __init__(self, config: Config, builder: StepBuilder, logger: "StepLogger"):
+        self.config, self.logger = config, logger
+        self.data = eval_data(config, builder.batch_sharding())
+        self.step_fn = Evaluator(builder).jit_eval_step()
+
+    def due(self, step: int) -> bool:
+        every = self.config.eval.every
+        return step == self.config.train.steps or bool(every and step % every == 0)
+
+    def run(self, step: int, params) -> dict:
+        totals = None
+        for batch in self.data:
+            sums = self.step_fn(params, batch)
+            totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
+        sums = {k: v.tolist() for k, v in jax.device_get(totals).items()}
+        record = {"step": step, **metrics_from_sums(sums, self.data.bytes_per_token)}
+        if self.data.unigram_bits_per_byte is not None:
+            record["unigram_bits_per_byte"] = self.data.unigram_bits_per_byte
+        self.logger.write_eval(record)
+        return record
 
 
 class StepLogger:
@@ -168,6 +202,14 @@ class StepLogger:
         self.progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         self.progress.update(step - self.last_step)
         self.last_step, self.last_time = step, now
+
+    def write_eval(self, record: dict) -> None:
+        self.flush()  # keep metrics.jsonl in step order
+        self.records.append(record)
+        self.writer.write(record)
+        shown = ", ".join(f"{k[5:] if k.startswith('eval_') else k} {v:.4f}" for k, v in record.items()
+                          if isinstance(v, float))
+        tqdm.write(f"eval at step {record['step']}: {shown}")
 
     def _check_spike(self, record: dict) -> None:
         warning = self.spikes.observe(record["step"], record["loss"])

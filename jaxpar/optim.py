@@ -35,9 +35,23 @@ def decay_mask(params):
         lambda path, _: not any(word in jax.tree_util.keystr(path) for word in NO_DECAY), params)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm (same math, same empty state) that takes the global norm when the
+    caller already has it: `update(grads, state, params, grad_norm=norm)`. The train step passes the
+    norm it computed outside its NaN-guard cond, so the cond's branches hold no norm all-reduce."""
+    def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        g_norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        trigger = g_norm < max_norm
+        updates = jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm), updates)
+        return updates, state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     adamw = optax.adamw(lr_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
                         weight_decay=train.weight_decay, mask=decay_mask)
     if train.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(train.grad_clip), adamw)
+        return optax.chain(clip_by_global_norm(train.grad_clip), adamw)
     return adamw

@@ -62,6 +62,11 @@ def run(argv: list[str]) -> int:
         print(warning, file=sys.stderr)
     workdir = pathlib.Path(args.workdir or f"runs/{pathlib.Path(args.config).stem}")
     ensure_writable(workdir)
+    if not args.dry_run:  # data mistakes, like config ones, surface before JAX starts
+        from jaxpar.data.demo import check_paths, ensure_demo_data
+
+        ensure_demo_data(config, is_primary=not args.process_id)
+        check_paths(config)
 
     from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
 
@@ -92,11 +97,20 @@ def run(argv: list[str]) -> int:
     if jax.process_index() != 0:
         return 0
     if records:
-        last = records[-1]
-        print(f"done: step {last['step']}, loss {last['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}")
+        print(f"done: {summary(records)}; metrics in {workdir / 'metrics.jsonl'}")
     else:
         print(f"nothing to do: the checkpoint in {workdir / 'checkpoints'} is already at train.steps")
     return 0
+
+
+def summary(records: list[dict]) -> str:
+    """'step N, loss L' of the last train record, and the last evaluation's metrics if there was one."""
+    last = [r for r in records if "loss" in r][-1]
+    text = f"step {last['step']}, loss {last['loss']:.4f}"
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        text += ", " + ", ".join(f"{k} {v:.4f}" for k, v in evals[-1].items() if isinstance(v, float))
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,7 +178,7 @@ def _checkpoint_times(config, workdir, steps=8):
             checkpoints.wait()
         builder = StepBuilder(config, mesh_for(config))
         start = time.perf_counter()
-        restored, _ = checkpoints.restore(builder.abstract_state())
+        restored, _, _ = checkpoints.restore(builder.abstract_state())
         jax.block_until_ready(restored)
         restore = time.perf_counter() - start
         checkpoints.close()

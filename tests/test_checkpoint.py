@@ -29,7 +29,9 @@ def drop_checkpoints_after(workdir, step):
 
 
 def logged(workdir):
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    """The train-step records of metrics.jsonl (evaluation records, tests/test_train_data.py, left out)."""
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r]
 
 
 def test_resume_is_bit_identical_on_the_same_layout(tmp_path):
@@ -77,7 +79,7 @@ def test_nan_step_is_skipped_and_counted(tmp_path):
 
 def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path):
     args = [sys.executable, "-m", "jaxpar.train", "--config", "llama_tiny", "--workdir", str(tmp_path),
-            "--config.train.steps=100000"]
+            "--config.train.log_every=1", "--config.train.steps=100000"]
     proc = subprocess.Popen(args + ["--config.checkpoint.every=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # every=1: the last step is always checkpointed already (no double save)
     deadline = time.time() + 120

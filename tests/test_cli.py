@@ -162,13 +162,15 @@ def test_too_few_accelerators_refused_unless_dry_run(monkeypatch):
 
 
 def read_metrics(workdir: pathlib.Path) -> list[dict]:
+    """The train-step records (llama_tiny also evaluates at the last step: tests/test_train_data.py)."""
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return [record for record in map(json.loads, lines) if "loss" in record]
 
 
 def test_short_training_run(tmp_path):
     workdir = tmp_path / "run"
-    proc = run_cli("--config", "llama_tiny.py", "--config.train.steps=5", "--workdir", workdir, cwd=tmp_path)
+    proc = run_cli("--config", "llama_tiny.py", "--config.train.steps=5", "--config.train.log_every=1",
+                   "--workdir", workdir, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     records = read_metrics(workdir)
@@ -191,7 +193,7 @@ def test_tp4_mesh_emulates_its_devices(tmp_path):
     """(dp, pp, tp) = (1, 1, 4) needs 4 devices: the CPU host emulates them; no flag beyond the override."""
     workdir = tmp_path / "tp4"
     proc = run_cli("--config", "llama_tiny", "--config.mesh.dp=1", "--config.mesh.tp=4", "--config.train.steps=2",
-                   "--workdir", workdir, cwd=REPO)
+                   "--config.train.log_every=1", "--workdir", workdir, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(workdir)] == [1, 2]
     assert json.loads((workdir / "config.json").read_text())["mesh"] == {"dp": 1, "pp": 1, "tp": 4}

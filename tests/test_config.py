@@ -32,7 +32,8 @@ OTHER_KEYS = {
     "vision.projector_dim": int, "vision.tp": int, "vision.zero.stage": int, "vision.remat.policy": str,
     "actions.dims": int, "actions.bins": int, "actions.low": float, "actions.high": float,
     "actions.instruction_len": int, "checkpoint.every": int, "checkpoint.keep": int, "debug.nan_at_step": int,
-    "train.on_nan": str,
+    "train.on_nan": str, "data.train": str, "data.eval": str, "data.generate": bool, "data.workers": int,
+    "eval.every": int, "eval.batches": int,
 }
 
 
@@ -93,7 +94,7 @@ def test_every_required_key_is_settable_by_override_and_typed_by_the_schema():
 def test_overrides_leave_other_keys_from_the_file():
     config = load_config("llama_tiny.py", ["mesh.tp=2", "train.lr=1e-2"])
     assert (config.mesh.dp, config.mesh.tp, config.train.lr) == (2, 2, 0.01)
-    assert config.model.d_ff == 256 and config.zero.stage == 1 and config.train.warmup_steps == 5
+    assert config.model.d_ff == 256 and config.zero.stage == 1 and config.train.warmup_steps == 30
 
 
 def test_later_override_wins():

@@ -1,21 +1,30 @@
-"""Robot episodes on disk, and a procedural manipulation-like task to make them (issue 7 groundwork).
+"""Robot episodes on disk, a procedural manipulation-like task to make them, and a grain source.
 
 On-disk format: a directory of `episode_NNNNN.npz` files, one episode each, with
     images       uint8   [T, cameras, H, W, 3]   what the cameras saw at each step
     instruction  str     (0-d array)             the task in words, e.g. "move to the red square"
     actions      float32 [T, action_dims]        the expert action at each step, in [-1, 1]
-All episodes of a directory share H, W, cameras and action_dims; `read_episodes` checks this and
-names the offending file otherwise.
+All episodes of a directory share H, W, cameras and action_dims; `EpisodeSource` checks this (from the
+.npy headers, without decompressing the images) and names the offending file otherwise.
 
-The task: a few coloured squares on a grey table and a white end-effector dot; the instruction names
-one square; the expert action is the normalised (dx, dy) towards it, zeros for the other arm
-dimensions, and the gripper closing (+1) once the dot is on the square. Scenes come from a seed, so a
-train and a held-out split with different seeds never share a scene.
+The task: the table is a grid of `grid` x `grid` cells; a few coloured squares fill distinct cells,
+the white end-effector dot sits in one cell, and the instruction names one square. The expert action
+is the (row, column) cell offset from the effector to the named square, normalised by grid - 1 to
+[-1, 1], zeros for the other arm dimensions, and the gripper (+1 closed once on the square, else -1).
+The effector then moves one cell per axis towards the square, so an episode holds every distance
+from the start to the goal, and ends with the step on the square (episodes differ in length). Cells the size of a ViT patch make the scene exactly readable. Scenes
+come from a seed; the held-out split is generated with another seed and skips every scene (squares,
+target) that the train split has.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 import pathlib
+import threading
+import zipfile
 
 import numpy as np
 
@@ -24,73 +33,178 @@ from jaxpar.errors import ConfigError
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 210, 40),
            "magenta": (200, 50, 200), "cyan": (40, 200, 210)}
 TABLE, EFFECTOR = (110, 110, 110), (255, 255, 255)
+DONE_MARKER = "COMPLETE"  # written last by write_split: a directory without it is a partial generation
+# np.load parses .npy headers with ast.literal_eval, which CPython 3.11 cannot run in two threads at
+# once ("AST constructor recursion depth mismatch"); grain reads with several threads.
+NPY_LOCK = threading.Lock()
 
 
-def render(size: int, squares: list[tuple[str, int, int]], effector: np.ndarray, square: int) -> np.ndarray:
+def render(size: int, grid: int, squares: list[tuple[str, int, int]], effector: tuple[int, int]) -> np.ndarray:
+    cell = size // grid
     image = np.empty((size, size, 3), np.uint8)
     image[:] = TABLE
     for colour, row, col in squares:
-        image[row:row + square, col:col + square] = COLOURS[colour]
-    r, c = np.clip(np.round(effector).astype(int), 0, size - 2)
-    image[r:r + 2, c:c + 2] = EFFECTOR
+        image[row * cell:(row + 1) * cell, col * cell:(col + 1) * cell] = COLOURS[colour]
+    dot, inset = max(cell // 2, 1), cell // 4
+    r, c = effector[0] * cell + inset, effector[1] * cell + inset
+    image[r:r + dot, c:c + dot] = EFFECTOR
     return image
 
 
-def expert_action(effector: np.ndarray, target: np.ndarray, size: int, dims: int, reach: float) -> np.ndarray:
-    """(dx, dy) towards the target in units of `reach` pixels, clipped to [-1, 1]; gripper +1 on target."""
-    delta = target - effector
+def expert_action(effector: np.ndarray, target: np.ndarray, grid: int, dims: int) -> np.ndarray:
+    """Cell offset to the target / (grid - 1) in the first two dims, gripper (+1 on target) in the last."""
     action = np.zeros(dims, np.float32)
-    action[:2] = np.clip(delta / reach, -1.0, 1.0)
-    action[-1] = 1.0 if np.abs(delta).max() < 1.0 else -1.0
+    action[:2] = (target - effector) / (grid - 1)
+    action[-1] = 1.0 if np.array_equal(effector, target) else -1.0
     return action
 
 
-def make_episode(rng: np.random.Generator, size: int = 32, steps: int = 8, objects: int = 3, dims: int = 7,
-                 cameras: int = 1) -> dict:
-    square = max(size // 8, 2)
+def make_scene(rng: np.random.Generator, grid: int, objects: int) -> tuple[list[tuple[str, int, int]], int]:
+    """(squares as (colour, row, col) on distinct cells, index of the named square)."""
     names = rng.choice(list(COLOURS), size=objects, replace=False)
-    squares = [(str(name), int(rng.integers(0, size - square)), int(rng.integers(0, size - square)))
-               for name in names]
-    colour, row, col = squares[int(rng.integers(objects))]
-    target = np.array([row + square / 2 - 1, col + square / 2 - 1], np.float64)
-    effector = rng.uniform(0, size - 2, 2)
-    reach = size / 4
+    cells = rng.choice(grid * grid, size=objects, replace=False)
+    squares = [(str(name), int(cell) // grid, int(cell) % grid) for name, cell in zip(names, cells)]
+    return squares, int(rng.integers(objects))
+
+
+def scene_key(squares, target: int) -> str:
+    """A scene's identity whatever order its squares were drawn in: the squares and the named colour."""
+    return json.dumps([sorted(map(list, squares)), squares[target][0]])
+
+
+def make_episode(rng: np.random.Generator, squares, target: int, size: int = 16, grid: int = 4, steps: int = 8,
+                 dims: int = 7, cameras: int = 1) -> dict:
+    """One demonstration: from a random start until the step on the square (gripper closing), at
+    most `steps` steps."""
+    colour, row, col = squares[target]
+    goal = np.array([row, col])
+    effector = rng.integers(0, grid, 2)
     images, actions = [], []
     for _ in range(steps):
-        frame = render(size, squares, effector, square)
+        frame = render(size, grid, squares, (int(effector[0]), int(effector[1])))
         images.append(np.stack([frame] * cameras))
-        action = expert_action(effector, target, size, dims, reach)
-        actions.append(action)
-        effector = effector + action[:2] * reach * 0.5  # half way along the commanded move
-    return {"images": np.stack(images), "instruction": f"move to the {colour} square",
-            "actions": np.stack(actions)}
+        actions.append(expert_action(effector, goal, grid, dims))
+        if np.array_equal(effector, goal):
+            break
+        effector = effector + np.sign(goal - effector)  # one cell per axis towards the goal
+    return {"images": np.stack(images), "instruction": f"move to the {colour} square", "actions": np.stack(actions)}
 
 
-def write_split(directory: pathlib.Path, episodes: int, seed: int, **kwargs) -> None:
+def write_split(directory: pathlib.Path, episodes: int, seed: int, exclude: set[str] = frozenset(),
+                objects: int = 3, **shape) -> set[str]:
+    """Write `episodes` episodes of distinct scenes not in `exclude`; returns the scenes written."""
+    size, grid = shape.get("size", 16), shape.get("grid", 4)
+    if size % grid or grid < 2 or objects > min(len(COLOURS), grid * grid):
+        raise ConfigError(f"cannot draw {objects} squares on a {grid}x{grid} grid of a {size}-pixel image; the "
+                          f"image size must be a multiple of the grid, grid >= 2, objects <= {len(COLOURS)}")
+    if shape.get("dims", 7) < 3:
+        raise ConfigError(f"action dims={shape['dims']}: the task needs 2 move dims and a gripper: dims >= 3")
+    available = math.comb(len(COLOURS), objects) * math.perm(grid * grid, objects) * objects
+    if episodes > available - len(exclude):
+        raise ConfigError(f"{episodes} episodes asked for, but a {grid}x{grid} grid with {objects} squares has only "
+                          f"{available} distinct scenes ({len(exclude)} excluded); use a larger grid or fewer episodes")
     directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    for index in range(episodes):
-        episode = make_episode(rng, **kwargs)
-        np.savez_compressed(directory / f"episode_{index:05d}.npz", images=episode["images"],
+    rng, written = np.random.default_rng(seed), set()
+    while len(written) < episodes:
+        squares, target = make_scene(rng, grid, objects)
+        key = scene_key(squares, target)
+        if key in exclude or key in written:
+            continue
+        episode = make_episode(rng, squares, target, **shape)
+        np.savez_compressed(directory / f"episode_{len(written):05d}.npz", images=episode["images"],
                             instruction=np.array(episode["instruction"]), actions=episode["actions"])
+        written.add(key)
+    (directory / DONE_MARKER).write_text(f"{episodes}\n")
+    return written
 
 
-def read_episodes(directory: pathlib.Path, instruction_len: int | None = None) -> list[dict]:
-    """All episodes of a directory, checked for consistent shapes and instruction length."""
-    files = sorted(pathlib.Path(directory).glob("episode_*.npz"))
-    if not files:
-        raise ConfigError(f"no episode_*.npz files in {directory}; generate them with scripts/make_vla_data.py")
-    episodes, reference = [], None
-    for path in files:
-        with np.load(path) as data:
-            episode = {"images": data["images"], "instruction": str(data["instruction"]), "actions": data["actions"]}
-        shape = (episode["images"].shape[1:], episode["actions"].shape[1:])
-        reference = reference or shape
-        if shape != reference or len(episode["images"]) != len(episode["actions"]):
-            raise ConfigError(f"{path}: images {episode['images'].shape} / actions {episode['actions'].shape} do not "
-                              f"match the directory's first episode {reference}; regenerate or remove it")
-        if instruction_len is not None and len(episode["instruction"].encode()) > instruction_len:
-            raise ConfigError(f"{path}: instruction '{episode['instruction']}' is longer than "
-                              f"actions.instruction_len={instruction_len} bytes; raise actions.instruction_len")
-        episodes.append(episode)
-    return episodes
+def write_splits(out: pathlib.Path, train: int, heldout: int, seed: int = 0, **shape) -> None:
+    """Train and held-out splits in out/train and out/heldout with no scene in common."""
+    seen = write_split(out / "train", train, seed, **shape)
+    write_split(out / "heldout", heldout, seed + 1_000_003, exclude=seen, **shape)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _npy_shape(archive: zipfile.ZipFile, name: str, path: pathlib.Path) -> tuple[int, ...]:
+    """The shape of one array of an .npz from its header alone."""
+    try:
+        with archive.open(f"{name}.npy") as f:
+            version = np.lib.format.read_magic(f)
+            reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            return reader(f)[0]
+    except KeyError:
+        raise ConfigError(f"{path}: no '{name}' array; an episode holds images, instruction and actions "
+                          f"(see jaxpar/data/episodes.py)") from None
+
+
+def _episode_length(path: pathlib.Path, reference: dict | None) -> tuple[int, dict]:
+    """Steps of one episode file and its per-step shapes, checked against the directory's first file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            images, actions = _npy_shape(archive, "images", path), _npy_shape(archive, "actions", path)
+            _npy_shape(archive, "instruction", path)
+    except zipfile.BadZipFile:
+        raise ConfigError(f"{path}: not a readable .npz episode; regenerate or remove it") from None
+    shapes = {"images": images[1:], "actions": actions[1:]}
+    if len(images) != 5 or len(actions) != 2 or images[0] != actions[0] or images[0] == 0:
+        raise ConfigError(f"{path}: images {images} / actions {actions} are not [T, cameras, H, W, 3] / "
+                          f"[T, dims] with the same T >= 1; regenerate or remove it")
+    if reference is not None and shapes != reference:
+        raise ConfigError(f"{path}: per-step images {images[1:]} / actions {actions[1:]} do not match the "
+                          f"directory's first episode {reference['images']} / {reference['actions']}; "
+                          f"regenerate or remove it")
+    return images[0], shapes
+
+
+class EpisodeSource:
+    """grain random-access source: record i is step i of the concatenated episodes, as
+    {"images" uint8 [cameras, H, W, 3], "instruction" uint8 [instruction_len] (UTF-8, 0-padded),
+    "actions" float32 [dims]}. Files are indexed from headers; episodes are read on demand (cached)."""
+
+    def __init__(self, directory: str | pathlib.Path, instruction_len: int):
+        self.directory = pathlib.Path(directory)
+        self.files = sorted(self.directory.glob("episode_*.npz"))
+        if not self.files:
+            raise ConfigError(f"no episode_*.npz files in {self.directory}; generate them with "
+                              f"scripts/make_vla_data.py or set data.generate=true")
+        self.instruction_len, lengths, self.shapes = instruction_len, [], None
+        for path in self.files:
+            length, self.shapes = _episode_length(path, self.shapes)
+            lengths.append(length)
+        self.starts = np.concatenate([[0], np.cumsum(lengths)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def instruction_ids(self, index: int, data=None) -> np.ndarray:
+        """The instruction of episode `index` as UTF-8 bytes, 0-padded to instruction_len."""
+        path = self.files[index]
+        if data is None:
+            with np.load(path) as data:
+                return self.instruction_ids(index, data)
+        text = str(data["instruction"]).encode()
+        if len(text) > self.instruction_len:
+            raise ConfigError(f"{path}: instruction '{text.decode()}' is {len(text)} bytes, longer than "
+                              f"actions.instruction_len={self.instruction_len}; raise actions.instruction_len")
+        ids = np.zeros(self.instruction_len, np.uint8)
+        ids[:len(text)] = np.frombuffer(text, np.uint8)
+        return ids
+
+    @functools.lru_cache(maxsize=512)
+    def episode(self, index: int) -> dict:
+        with NPY_LOCK, np.load(self.files[index]) as data:
+            return {"images": data["images"], "instruction": self.instruction_ids(index, data),
+                    "actions": data["actions"].astype(np.float32)}
+
+    def __getitem__(self, record: int) -> dict:
+        index = int(np.searchsorted(self.starts, record, side="right")) - 1
+        episode, step = self.episode(index), record - int(self.starts[index])
+        return {"images": episode["images"][step], "instruction": episode["instruction"],
+                "actions": episode["actions"][step]}
+
+    def check_instructions(self) -> None:
+        """Read every instruction (not the images), so a too-long one fails at start, naming its file."""
+        for index in range(len(self.files)):
+            self.instruction_ids(index)

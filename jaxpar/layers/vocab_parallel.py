@@ -32,3 +32,13 @@ def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array, coll: Collect
     picked_BxS = jnp.take_along_axis(logits_BxSxV, local[..., None], axis=-1)[..., 0]
     target_logit_BxS = coll.tp_sum(after(jnp.where(in_shard, picked_BxS, 0.0), sum_exp_BxS))  # fixed order
     return jnp.log(sum_exp_BxS) + max_BxS - target_logit_BxS
+
+
+def argmax(logits_BxSxV: jax.Array, coll: Collectives) -> jax.Array:
+    """Global vocabulary id of the largest logit (the lowest id among ties, as jnp.argmax): each rank
+    proposes its best, the max over tp picks the value, the min over tp the id."""
+    local_max_BxS = jnp.max(logits_BxSxV, axis=-1)
+    local_id_BxS = jnp.argmax(logits_BxSxV, axis=-1).astype(jnp.int32) + coll.tp_rank() * logits_BxSxV.shape[-1]
+    best_BxS = coll.tp_max(local_max_BxS)
+    candidate_BxS = jnp.where(local_max_BxS == best_BxS, local_id_BxS, jnp.iinfo(jnp.int32).max)
+    return -coll.tp_max(-after(candidate_BxS, best_BxS))  # fixed order of the two collectives

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxpar.config import ModelConfig
 from jaxpar.layers import vocab_parallel
 from jaxpar.layers.attention import attention
-from jaxpar.layers.collectives import Collectives
+from jaxpar.layers.collectives import Collectives, after
 from jaxpar.layers.mlp import swiglu_mlp
 from jaxpar.layers.norm import rms_norm
 
@@ -119,6 +119,21 @@ def head_loss_sum(params: dict, x_BxSxD: jax.Array, targets_BxS: jax.Array, mask
     logits_BxSxV = head_logits(params, x_BxSxD, cfg, coll)
     token_loss_BxS = vocab_parallel.cross_entropy(logits_BxSxV, targets_BxS, coll)
     return jnp.sum(token_loss_BxS * mask_BxS.astype(jnp.float32))
+
+
+def head_eval(params: dict, x_BxSxD: jax.Array, targets_BxS: jax.Array, cfg: ModelConfig,
+              coll: Collectives) -> tuple[jax.Array, jax.Array]:
+    """Per-token cross-entropy and the predicted (argmax) next token: what evaluation needs."""
+    logits_BxSxV = head_logits(params, x_BxSxD, cfg, coll)
+    token_loss_BxS = vocab_parallel.cross_entropy(logits_BxSxV, targets_BxS, coll)
+    return token_loss_BxS, vocab_parallel.argmax(after(logits_BxSxV, token_loss_BxS), coll)
+
+
+def eval_sums(token_loss_BxS: jax.Array, pred_BxS: jax.Array, batch: dict) -> dict:
+    """Masked sums whose ratios are the eval metrics: loss per token and next-token accuracy."""
+    mask_BxS = batch["mask"].astype(jnp.float32)
+    return {"loss": jnp.sum(token_loss_BxS * mask_BxS), "tokens": jnp.sum(mask_BxS),
+            "correct": jnp.sum((pred_BxS == batch["targets"]) * mask_BxS)}
 
 
 def loss_sum(params: dict, batch: dict, cfg: ModelConfig, coll: Collectives = Collectives(),

@@ -67,6 +67,27 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
     return {"images": images.astype(np.float32), "inputs": tokens[:, :-1], "targets": targets, "mask": mask}
 
 
+def action_values(config: Config, actions_BxA: np.ndarray) -> np.ndarray:
+    """[B, T] continuous actions at the action-target positions (the last `dims`), zero elsewhere."""
+    values = np.zeros((actions_BxA.shape[0], sequence_layout(config)[2]), np.float32)
+    values[:, -config.actions.dims:] = actions_BxA
+    return values
+
+
+def eval_sums(config: Config, token_loss_BxS: jax.Array, pred_BxS: jax.Array, batch: dict) -> dict:
+    """llama.eval_sums plus, over the action tokens: exact-token hits and the absolute error of the
+    decoded continuous action (the predicted bin's centre) against the true value."""
+    act, first_id = config.actions, config.model.vocab_size - config.actions.bins
+    targets = batch["targets"]
+    is_action_BxS = (targets >= first_id).astype(jnp.float32)
+    width = (act.high - act.low) / act.bins
+    decoded_BxS = act.low + (jnp.clip(pred_BxS - first_id, 0, act.bins - 1) + 0.5) * width
+    return {**llama.eval_sums(token_loss_BxS, pred_BxS, batch), "action_tokens": jnp.sum(is_action_BxS),
+            "action_correct": jnp.sum((pred_BxS == targets) * is_action_BxS),
+            "action_abs_err": jnp.sum(jnp.abs(decoded_BxS - batch["values"]) * is_action_BxS),
+            "action_correct_by_dim": jnp.sum(pred_BxS[:, -act.dims:] == targets[:, -act.dims:], axis=0)}
+
+
 def synthetic_batch(config: Config, step: int, batch_size: int) -> dict:
     """Deterministic stand-in data until the episode pipeline (issue 7): random scenes, instructions
     from the text vocabulary, and actions that are a fixed function of the image (learnable)."""

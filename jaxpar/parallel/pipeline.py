@@ -176,30 +176,40 @@ class Pipeline:
         out.update(jax.lax.psum(grads["head"], PP))
         return jax.lax.psum(loss, PP), out
 
-    # --------------------------------------------------------------- GPipe
-    def gpipe(self, params, batch, token_count, image_tokens=None):
-        """All forwards in one scan over ticks, then autodiff: every tick's residuals stay alive (O(m))."""
+    # --------------------------------------------------------------- GPipe and forward-only
+    def _forward_ticks(self, layers, embed, head, images, micro, head_fn, sums):
+        """The forward ticks of a GPipe table: the last stage adds `head_fn(head, y, microbatch)` of
+        each real microbatch it finishes to the tree `sums` (masked elsewhere; summed over pp after)."""
         stage = jax.lax.axis_index(PP)
         is_first, is_last = stage == 0, stage == self.p - 1
-        micro = self._micro(batch, self.m)
         _, first, count = self.schedule.phases[0]
         rows = jnp.asarray(self.schedule.forward[first:first + count])
 
-        def total_loss(layers, embed, head, images):
-            def tick(carry, row):
-                recv, loss = carry
-                mb = row[stage]
-                index, weight = jnp.maximum(mb, 0), ((mb >= 0) & is_last).astype(jnp.float32)
-                image = None if images is None else images[index]
-                x_in = jnp.where(is_first, self._first_input(embed, image, micro["inputs"][index]), recv)
-                y = self._stage(layers, x_in)
-                loss = loss + weight * self._head_loss(head, y, micro["targets"][index], micro["mask"][index],
-                                                       token_count)
-                return (jax.lax.ppermute(after(y, loss), PP, self.send_next), loss), None  # loss first
+        def tick(carry, row):
+            recv, sums = carry
+            mb = row[stage]
+            index, weight = jnp.maximum(mb, 0), ((mb >= 0) & is_last).astype(jnp.float32)
+            image = None if images is None else images[index]
+            x_in = jnp.where(is_first, self._first_input(embed, image, micro["inputs"][index]), recv)
+            y = self._stage(layers, x_in)
+            out = head_fn(head, y, jax.tree.map(lambda a: a[index], micro))
+            sums = jax.tree.map(lambda s, o: s + weight * o, sums, out)
+            head_done = sum(jax.tree.leaves(sums))  # the head's collectives come before the send
+            return (jax.lax.ppermute(after(y, head_done), PP, self.send_next), sums), None
 
-            recv = jnp.zeros(micro["targets"].shape[1:] + (self.cfg.d_model,), embed.dtype)
-            (_, loss), _ = jax.lax.scan(tick, (self._varying(recv), self._varying(jnp.zeros((), jnp.float32))), rows)
-            return loss
+        recv = self._varying(jnp.zeros(micro["targets"].shape[1:] + (self.cfg.d_model,), embed.dtype))
+        (_, sums), _ = jax.lax.scan(tick, (recv, sums), rows)
+        return sums
+
+    def gpipe(self, params, batch, token_count, image_tokens=None):
+        """All forwards in one scan over ticks, then autodiff: every tick's residuals stay alive (O(m))."""
+        micro = self._micro(batch, self.m)
+
+        def total_loss(layers, embed, head, images):
+            def head_loss(h, y, mb):
+                return self._head_loss(h, y, mb["targets"], mb["mask"], token_count)
+            zero = self._varying(jnp.zeros((), jnp.float32))
+            return self._forward_ticks(layers, embed, head, images, micro, head_loss, zero)
 
         embed, head = self._stage_varying(params)
         images = self._micro_images(image_tokens)
@@ -207,6 +217,13 @@ class Pipeline:
             params["layers"], embed, head, images)
         d_image = None if images is None else jax.lax.psum(d_images, PP).reshape(image_tokens.shape)
         return (*self._finish(loss, {"layers": d_layers, "embed": d_embed, "head": d_head}), d_image)
+
+    def forward_sums(self, params, batch, head_fn, zero_sums, image_tokens=None):
+        """Forward only (evaluation, with a GPipe table): `head_fn`'s sums over every microbatch."""
+        embed, head = self._stage_varying(params)
+        sums = self._forward_ticks(params["layers"], embed, head, self._micro_images(image_tokens),
+                                   self._micro(batch, self.m), head_fn, self._varying(zero_sums))
+        return jax.tree.map(lambda s: jax.lax.psum(s, PP), sums)
 
     def loss_and_grads(self, params, batch, token_count, image_tokens=None):
         """(loss, local gradients, cotangent of the image tokens or None) for this device."""

@@ -263,21 +263,29 @@ class StepBuilder:
             on_device = self.state_shardings(on_device=True)
             state = state.replace(opt_state=jax.device_put(state.opt_state, on_device.opt_state),
                                   master=jax.device_put(state.master, on_device.master))
+        # NaN guard: a step whose loss or gradients are not finite is not applied (the data is consumed).
+        # `finite` comes from all-reduced values, so every device takes the same branch, and the
+        # branches hold no collective (clipping reuses grad_norm). A cond, not a where(finite, new, old)
+        # over the state: the select kept the old and the new master weights, moments and parameters
+        # alive at once (+42 GB per device for llama7b dp=8 ZeRO-0); the cond updates them in place.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+        def update(target, opt_state):
+            updates, opt_state = self.tx.update(grads, opt_state, target, grad_norm=grad_norm)
+            target = optax.apply_updates(target, updates)
+            if self.bf16:
+                target = jax.lax.with_sharding_constraint(target, self._named(self.specs.opt))
+            return target, opt_state
+
         target = state.master if self.bf16 else state.params
-        updates, opt_state = self.tx.update(grads, state.opt_state, target)
-        target = optax.apply_updates(target, updates)
-        if self.bf16:
-            master = jax.lax.with_sharding_constraint(target, self._named(self.specs.opt))
-            params = jax.tree.map(lambda w: w.astype(self.compute_dtype), master)
+        target, opt_state = jax.lax.cond(finite, update, lambda t, o: (t, o), target, state.opt_state)
+        if self.bf16:  # params are always the compute-dtype copy of master: a skip rebuilds the same params
+            master, params = target, jax.tree.map(lambda w: w.astype(self.compute_dtype), target)
         else:
             master, params = None, target
         params = jax.lax.with_sharding_constraint(params, self._named(self.specs.params))
-        # NaN guard: a step whose loss or gradients are not finite is not applied (the data is consumed).
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        applied = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state,
-                             skipped=state.skipped)
-        kept = state.replace(step=state.step + 1, skipped=state.skipped + 1)
-        new_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), applied, kept)
+        new_state = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state,
+                               skipped=state.skipped + (~finite).astype(state.skipped.dtype))
         metrics = {"loss": loss, "grad_norm": grad_norm,  # optax counts applied updates only: skips don't advance it
                    "learning_rate": self.schedule(state.step - state.skipped),
                    "skipped": ~finite, "skipped_total": new_state.skipped}

@@ -1,0 +1,93 @@
+"""The demo data a config can ask for with data.generate=true, made on first use.
+
+llama: Python's own standard library sources (every machine with Python has them), byte-tokenized,
+5% of the files held out. vla: the procedural task of jaxpar.data.episodes, shaped by the config.
+Each split is written into a temporary directory and renamed into place when complete, so an
+interrupted generation is never mistaken for data; with several processes, process 0 generates and
+the others wait for the directories to appear.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import sysconfig
+import time
+
+from jaxpar.config import Config
+from jaxpar.errors import ConfigError
+
+STDLIB_SKIP = ("site-packages", "test", "tests")
+VLA_EPISODES = {"train": 4000, "heldout": 100}
+WAIT_S = 600
+
+
+def stdlib_dir() -> pathlib.Path:
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def _generate(config: Config, train: pathlib.Path, heldout: pathlib.Path) -> None:
+    if config.model.kind == "vla":
+        from jaxpar.data.episodes import write_split
+
+        v, act = config.vision, config.actions
+        shape = dict(size=v.image_size, grid=v.image_size // v.patch_size, dims=act.dims, cameras=v.cameras)
+        seen = write_split(train, VLA_EPISODES["train"], 0, **shape)
+        write_split(heldout, VLA_EPISODES["heldout"], 1_000_003, exclude=seen, **shape)
+    else:
+        from jaxpar.data.text import prepare_text
+
+        prepare_text(stdlib_dir(), train, heldout, pattern="**/*.py", skip_dirs=STDLIB_SKIP)
+
+
+def ensure_demo_data(config: Config, is_primary: bool = True) -> None:
+    """Generate data.train and data.eval when data.generate is set and they do not exist yet."""
+    data = config.data
+    targets = [pathlib.Path(p) for p in (data.train, data.eval) if p]
+    if not data.generate or all(t.exists() for t in targets):
+        return
+    if not (data.train and data.eval):
+        raise ConfigError("data.generate=true makes a train and a held-out split: set both data.train and data.eval")
+    if not is_primary:
+        _wait_for(targets)
+        return
+    train, heldout = targets
+    if train.exists() or heldout.exists():
+        raise ConfigError(f"data.generate=true: only one of {train} and {heldout} exists; remove it to regenerate both")
+    suffix = f".partial-{os.getpid()}"
+    staging = [t.with_name(t.name + suffix) for t in targets]
+    print(f"generating demo data into {train} and {heldout} (data.generate=true; first use only)")
+    try:
+        _generate(config, *staging)
+        for tmp, target in zip(staging, targets):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp.rename(target)
+    finally:
+        for tmp in staging:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_for(targets: list[pathlib.Path]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not all(t.exists() for t in targets):
+        if time.monotonic() > deadline:
+            raise ConfigError(f"waited {WAIT_S}s for process 0 to generate {', '.join(map(str, targets))}; "
+                              f"generate the data first (data.generate on one process) and restart")
+        time.sleep(1.0)
+
+
+def check_paths(config: Config) -> None:
+    """Missing or empty data directories, before any JAX start-up or compilation."""
+    for key in ("train", "eval"):
+        path = getattr(config.data, key)
+        if not path:
+            continue
+        directory = pathlib.Path(path)
+        if not directory.is_dir():
+            hint = ("set data.generate=true to make the demo data" if not config.data.generate
+                    else "it could not be generated")
+            raise ConfigError(f"data.{key}={path}: no such directory; {hint} or point data.{key} at your data")
+        if not any(directory.iterdir()):
+            raise ConfigError(f"data.{key}={path} is empty; fill it with scripts/"
+                              f"{'make_vla_data.py' if config.model.kind == 'vla' else 'prepare_text.py'}")

@@ -1,0 +1,173 @@
+"""Global batches from grain, fed in the mesh's batch layout without a host gather.
+
+Each JAX process reads only the rows of the global batch its devices hold. Processes whose devices
+hold the same rows (they differ only over pp / tp) form one data shard and read the same records.
+With S shards, shard k takes records k, k + S, k + 2S, ... of the (seeded, per-epoch reshuffled)
+record order and batches them by B / S, so global step s consumes records [s B, (s + 1) B) of that
+order whatever the number of processes: a different process count changes only the order of rows
+inside a batch. `jax.make_array_from_process_local_data` assembles the global array from the shards.
+
+The training iterator's grain state ({"next_index": steps consumed}, the same on every process by
+construction) goes into each checkpoint and is restored on resume, so resume sees exactly the data
+an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import grain
+import jax
+import numpy as np
+
+from jaxpar.config import Config
+from jaxpar.data.episodes import EpisodeSource
+from jaxpar.data.synthetic import SyntheticData
+from jaxpar.data.text import TokenSource
+from jaxpar.errors import ConfigError
+
+SHUFFLE_SALT = 104_729  # the data order's seed is train.seed + this, so it differs from the init seed
+
+
+def process_shard(sharding, global_batch: int) -> tuple[int, int]:
+    """(shard index, shard count) of this process's rows of a batch laid out by `sharding`."""
+    ranges = {(s[0].start or 0, global_batch if s[0].stop is None else s[0].stop)
+              for s in sharding.addressable_devices_indices_map((global_batch, 1)).values()}
+    lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    rows = hi - lo
+    if sum(b - a for a, b in ranges) != rows or global_batch % rows or lo % rows:
+        raise ConfigError(f"this process holds batch rows {sorted(ranges)}, not one aligned contiguous block; "
+                          f"order the devices so each process holds whole dp shards")
+    return lo // rows, global_batch // rows
+
+
+def to_global(local: dict, sharding, global_batch: int) -> dict:
+    """Process-local numpy rows -> global jax.Arrays laid out by `sharding`."""
+    return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch,) + v.shape[1:])
+            for k, v in local.items()}
+
+
+# ----------------------------------------------------------------------------- examples -> model batches
+
+
+def text_batch(windows_BxL: np.ndarray) -> dict:
+    return {"inputs": windows_BxL[:, :-1], "targets": windows_BxL[:, 1:],
+            "mask": np.ones((windows_BxL.shape[0], windows_BxL.shape[1] - 1), np.float32)}
+
+
+def episode_batch(config: Config, records: dict, with_values: bool = False) -> dict:
+    """Stacked episode steps -> the VLA batch (images scaled to [0, 1]); `with_values` adds the
+    continuous actions at the action targets for the L1 metric."""
+    from jaxpar.models import vla
+
+    images = records["images"].astype(np.float32) / 255.0
+    batch = vla.make_batch(config, images, records["instruction"].astype(np.int32), records["actions"])
+    if with_values:
+        batch["values"] = vla.action_values(config, records["actions"])
+    return batch
+
+
+def make_source(config: Config, directory: str):
+    """The grain source for `directory`, checked against the model it feeds."""
+    if config.model.kind == "vla":
+        source = EpisodeSource(directory, config.actions.instruction_len)
+        _check_episode_shapes(config, source)
+        source.check_instructions()
+        return source
+    return TokenSource(directory, config.train.seq_len, config.model.vocab_size)
+
+
+def _check_episode_shapes(config: Config, source: EpisodeSource) -> None:
+    v, act = config.vision, config.actions
+    want = {"images": (v.cameras, v.image_size, v.image_size, v.channels), "actions": (act.dims,)}
+    if source.shapes != want:
+        raise ConfigError(f"{source.directory}: episodes have images {source.shapes['images']} and actions "
+                          f"{source.shapes['actions']} per step, but the config expects {want['images']} "
+                          f"(vision.cameras, image_size, image_size, channels) and {want['actions']} "
+                          f"(actions.dims); regenerate the data or change the config")
+
+
+def _batch_fn(config: Config, with_values: bool = False):
+    if config.model.kind == "vla":
+        return lambda records: episode_batch(config, records, with_values)
+    return text_batch
+
+
+class GrainData:
+    """The training batches: an endless, per-epoch reshuffled pass over `data.train`."""
+
+    def __init__(self, config: Config, sharding):
+        self.config, self.sharding = config, sharding
+        self.global_batch = config.train.global_batch_size
+        self.source = make_source(config, config.data.train)
+        shard, shards = process_shard(sharding, self.global_batch)
+        dataset = grain.MapDataset.source(self.source).shuffle(seed=config.train.seed + SHUFFLE_SALT).repeat()
+        dataset = dataset[shard::shards].batch(self.global_batch // shards).map(_batch_fn(config))
+        iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
+        if config.data.workers:
+            iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.data.workers))
+        self.iterator = iter(iter_dataset)
+
+    def next_batch(self) -> dict:
+        return to_global(next(self.iterator), self.sharding, self.global_batch)
+
+    def get_state(self) -> dict:
+        return {"grain": self.iterator.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        self.iterator.set_state(state["grain"])
+
+
+class EvalData:
+    """Held-out batches from `data.eval` in file order: all of them, or the first eval.batches."""
+
+    def __init__(self, config: Config, sharding):
+        self.config, self.sharding = config, sharding
+        self.global_batch = config.train.global_batch_size
+        self.source = make_source(config, config.data.eval)
+        available = len(self.source) // self.global_batch
+        if available == 0:
+            raise ConfigError(f"{config.data.eval} holds {len(self.source)} held-out examples, fewer than one "
+                              f"global batch of {self.global_batch}; add held-out data or lower the batch size")
+        self.batches = min(available, config.eval.batches or available)
+        shard, shards = process_shard(sharding, self.global_batch)
+        dataset = grain.MapDataset.source(self.source)[:self.batches * self.global_batch]
+        self.dataset = dataset[shard::shards].batch(self.global_batch // shards).map(_batch_fn(config, True))
+
+    def __iter__(self) -> Iterator[dict]:
+        for local in self.dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)):
+            yield to_global(local, self.sharding, self.global_batch)
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        return getattr(self.source, "bytes_per_token", None)
+
+    @property
+    def unigram_bits_per_byte(self) -> float | None:
+        return getattr(self.source, "meta", {}).get("unigram_bits_per_byte")
+
+
+class SyntheticIterator:
+    """The synthetic data (jaxpar.data.synthetic) behind the same interface; its state is the step."""
+
+    def __init__(self, config: Config, sharding):
+        self.data, self.step = SyntheticData(config, sharding), 0
+
+    def next_batch(self) -> dict:
+        batch = self.data.batch(self.step)
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"synthetic_step": self.step}
+
+    def set_state(self, state: dict) -> None:
+        self.step = state["synthetic_step"]
+
+
+def train_data(config: Config, sharding):
+    return GrainData(config, sharding) if config.data.train else SyntheticIterator(config, sharding)
+
+
+def eval_data(config: Config, sharding) -> EvalData | None:
+    return EvalData(config, sharding) if config.data.eval else None

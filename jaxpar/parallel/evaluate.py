@@ -1,0 +1,90 @@
+"""Evaluation on the training layout: forward only, metric sums reduced over the mesh.
+
+The eval step reads the train state's parameters where they are (no resharding, no second copy)
+and runs the same shard_map as training: tensor parallel, ZeRO-3 gathers, and with a pipeline the
+forward ticks of a GPipe table (no backward, so nothing is kept for one). The last stage turns each
+microbatch into masked sums (jaxpar.models.llama.eval_sums / vla.eval_sums); the host divides them
+into metrics, so batches of any mask count weigh correctly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.layers.collectives import Collectives
+from jaxpar.models import llama, vla
+from jaxpar.parallel import schedule as pipeline_schedule
+from jaxpar.parallel.pipeline import Pipeline
+from jaxpar.sharding import DP, tensor_axes
+
+SUM_KEYS = {"llama": ("loss", "tokens", "correct"),
+            "vla": ("loss", "tokens", "correct", "action_tokens", "action_correct", "action_abs_err",
+                    "action_correct_by_dim")}
+
+
+class Evaluator:
+    def __init__(self, builder):
+        self.builder, self.config, self.mesh = builder, builder.config, builder.mesh
+        self.coll = Collectives(tp_axis=tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None,
+                                zero3_axis=DP if builder.gathers_weights else None)
+        self.keys = SUM_KEYS[self.config.model.kind]
+
+    def _head_sums(self, head, x_BxSxD, batch):
+        token_loss, pred = llama.head_eval(head, x_BxSxD, batch["targets"], self.config.model, self.coll)
+        if self.config.model.kind == "vla":
+            return vla.eval_sums(self.config, token_loss, pred, batch)
+        return llama.eval_sums(token_loss, pred, batch)
+
+    def _sum_shape(self, key: str) -> tuple[int, ...]:
+        return (self.config.actions.dims,) if key == "action_correct_by_dim" else ()
+
+    def _llm_input(self, params, batch, image_tokens):
+        if image_tokens is None:
+            return llama.embed_tokens(params, batch["inputs"], self.coll)
+        return vla.llm_inputs(params, image_tokens, batch["inputs"], self.coll)
+
+    def _local_sums(self, params, batch):
+        b = self.builder
+        image_tokens = None
+        if b.vision is not None:
+            image_tokens, _ = b.vision.forward({k: params[k] for k in ("vit", "projector")}, batch["images"])
+        llm = {k: v for k, v in params.items() if k not in ("vit", "projector")}
+        if b.dp_axis and not b.gathers_weights:  # typed as in training (see StepBuilder)
+            llm = jax.lax.pcast(llm, (DP,), to="varying")
+        text = {k: v for k, v in batch.items() if k != "images"}
+        if self.mesh.shape["pp"] > 1:
+            table = pipeline_schedule.build("gpipe", self.mesh.shape["pp"], self.config.pipeline.microbatches)
+            varying = ("pp",) + ((DP,) if b.dp_axis else ())
+            pipe = Pipeline(table, self.config.model, self.coll, None, varying, b.prefix_len)
+            zeros = {k: jnp.zeros(self._sum_shape(k), jnp.float32) for k in self.keys}
+            sums = pipe.forward_sums(llm, text, self._head_sums, zeros, image_tokens)
+        else:
+            x = llama.run_layers(self._llm_input(llm, text, image_tokens), llm["layers"], self.config.model,
+                                 self.coll, None, b.prefix_len)
+            sums = self._head_sums(llm, x, text)
+        return {k: b._dp_sum(v.astype(jnp.float32)) for k, v in sums.items()}
+
+    def jit_eval_step(self):
+        """(params, batch) -> replicated dict of metric sums for one global batch."""
+        fn = jax.shard_map(self._local_sums, mesh=self.mesh, in_specs=(self.builder.specs.params, self.builder.batch_spec),
+                           out_specs={k: P() for k in self.keys})
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(fn, in_shardings=(self.builder.state_shardings().params, self.builder.batch_sharding()),
+                       out_shardings={k: replicated for k in self.keys})
+
+
+def metrics_from_sums(sums: dict, bytes_per_token: float | None = None) -> dict:
+    """Host-side ratios: eval_loss, eval_accuracy, and eval_bits_per_byte (text) or the action metrics."""
+    out = {"eval_loss": sums["loss"] / sums["tokens"], "eval_accuracy": sums["correct"] / sums["tokens"]}
+    if "action_tokens" in sums:
+        out["eval_action_accuracy"] = sums["action_correct"] / sums["action_tokens"]
+        out["eval_action_l1"] = sums["action_abs_err"] / sums["action_tokens"]
+        examples = sums["action_tokens"] / len(sums["action_correct_by_dim"])
+        out["eval_action_accuracy_by_dim"] = [c / examples for c in sums["action_correct_by_dim"]]
+    if bytes_per_token:  # nats per token -> bits per byte of the held-out text
+        out["eval_bits_per_byte"] = out["eval_loss"] / math.log(2) / bytes_per_token
+    return out

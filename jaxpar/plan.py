@@ -1,0 +1,78 @@
+"""CLI: analytic memory / step-time plan of a config, or a recommended layout for a cluster.
+
+    python -m jaxpar.plan --config llama7b.py [--config.KEY=VALUE ...] [--gpu a100-80gb] [--json]
+    python -m jaxpar.plan --config vla70b.py --recommend --gpus 64 --gpus_per_node 8 --gpu a100-80gb
+
+A mistake (unknown GPU, impossible cluster, nothing fits) prints one line and exits 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxpar.errors import ConfigError
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(f"{message}; usage: {self.prog} --config NAME [--config.KEY=VALUE ...] [--gpu NAME] "
+                          f"[--json] [--recommend --gpus N --gpus_per_node 8]")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = _ArgumentParser(prog="python -m jaxpar.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--gpu", default="a100-80gb", help="hardware profile (jaxpar/planner/hardware.py)")
+    parser.add_argument("--hardware_json", default=None, help="JSON file or string overriding profile fields")
+    parser.add_argument("--gpus_per_node", type=int, default=8)
+    parser.add_argument("--gpus", type=int, default=None, help="with --recommend: cluster size")
+    parser.add_argument("--recommend", action="store_true")
+    parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--target", choices=("gpu", "cpu"), default="gpu",
+                        help="cpu: model XLA:CPU's bf16 widening, to compare with a dry run on this host")
+    parser.add_argument("--json", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    overrides = []
+    for item in rest:
+        if not item.startswith("--config.") or "=" not in item:
+            raise ConfigError(f"unknown argument '{item}'; config keys are set as --config.KEY=VALUE")
+        overrides.append(item[len("--config."):])
+    return args, overrides
+
+
+def run(argv: list[str]) -> int:
+    from jaxpar.config import load_config
+    from jaxpar.planner import hardware, recommend, report
+
+    args, overrides = parse_args(argv)
+    hw = hardware.get(args.gpu, hardware.load_overrides(args.hardware_json))
+    config = load_config(args.config, overrides)
+    if args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus_per_node={args.gpus_per_node} must be >= 1")
+    if args.recommend:
+        gpus = args.gpus or config.mesh.size
+        result = recommend.recommend(config, gpus, args.gpus_per_node, hw, args.top)
+        if args.json:
+            print(json.dumps([report.plan(r["config"], hw, args.gpus_per_node) for r in result["ranked"]], indent=2))
+        else:
+            print(report.format_recommendation(result, gpus, args.gpus_per_node, hw))
+        return 0
+    if args.gpus_per_node > config.mesh.size and args.gpus is not None and args.gpus_per_node > args.gpus:
+        raise ConfigError(f"--gpus_per_node={args.gpus_per_node} is more than --gpus={args.gpus}")
+    result = report.plan(config, hw, min(args.gpus_per_node, config.mesh.size), args.target)
+    print(json.dumps(result, indent=2) if args.json else report.format_plan(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        print(f"jaxpar: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

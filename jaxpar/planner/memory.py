@@ -1,0 +1,273 @@
+"""Analytic per-device memory of one train step: model states by ZeRO stage, activations by remat
+policy and pipeline schedule, gradients, the largest temporaries, and a peak.
+
+Not a call to the compiler: formulas from the ZeRO paper (states), Korthikanti et al. (activations,
+counted for jaxpar's own layers: RMSNorm and RoPE in fp32, XLA attention with fp32 [b, h, s, s]
+scores and probabilities, SwiGLU), and jaxpar's 1F1B ring buffer of 2p-1 stage inputs. The peak is
+the state plus the larger of two phases XLA cannot overlap: the backward (gradients, saved
+activations, one layer's recompute + backward working set) and the optimizer update (reduced and
+clipped fp32 gradients, Adam's new moments of one leaf, net of the dead bf16 parameters' buffers).
+docs/planner.md has the derivation and the comparison with the compiled program.
+
+`target="cpu"` adds what XLA:CPU does and a GPU does not (found in the compiled memory report of the
+dry run, docs/planner.md): it widens bf16 to f32, so the bf16 weights get an f32 copy for the
+matmuls and the bf16 residual stacks of the layer scan an f32 twin; and its memory analysis counts
+host (offloaded) bytes as device bytes. Only used to compare with dry runs on this CPU host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpar.config import Config
+from jaxpar.models import llama, vit, vla
+from jaxpar.sharding import RULES
+
+SAVE_LINEAR = ("selective", "offload", "dots", "none")  # policies that keep the linear-layer outputs
+
+
+def seq_len(config: Config) -> int:
+    return vla.sequence_layout(config)[2] if config.model.kind == "vla" else config.train.seq_len
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _local_count(shapes: dict, axes: dict, divisors: dict) -> int:
+    """Parameters of one shard: each dim divided by the mesh size its logical axis maps to."""
+    total = 0
+    for name, shape in shapes.items():
+        if isinstance(shape, dict):
+            total += _local_count(shape, axes[name], divisors)
+            continue
+        total += math.prod(size // divisors.get(axis, 1) for size, axis in zip(shape, axes[name]))
+    return total
+
+
+def local_params(config: Config) -> dict[str, int]:
+    """Parameter counts per device before ZeRO: LLM layers (split over pp and tp), LLM embedding and
+    head (split over tp, replicated over pp), vision encoder + projector (split over vision.tp)."""
+    mesh = config.mesh
+    sizes = {"tp": mesh.tp, "pp": mesh.pp}
+    llm_div = {axis: sizes[rule] for axis, rule in RULES.items() if rule in sizes}
+    shapes, axes = llama.param_shapes(config.model), llama.param_axes()
+    out = {"llm_layers": _local_count({"layers": shapes["layers"]}, axes, llm_div),
+           "llm_rest": _local_count({k: v for k, v in shapes.items() if k != "layers"}, axes, llm_div),
+           "vision": 0}
+    if config.model.kind == "vla":
+        vdiv = {"vit_heads": config.vision.tp, "vit_mlp": config.vision.tp}
+        out["vision"] = _local_count(vit.param_shapes(config.vision, config.model.d_model), vit.param_axes(), vdiv)
+    return out
+
+
+def vision_data_ways(config: Config) -> int:
+    """Devices that split the VLA's images (the encoder's data-parallel and ZeRO degree)."""
+    return config.mesh.size // config.vision.tp
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One transformer layer's local dims as the activation formulas need them."""
+
+    d: int  # model width
+    q: int  # local query heads x head_dim
+    kv: int  # local kv heads x head_dim
+    f: int  # local MLP width
+    heads: int  # local query heads
+    gated: bool  # SwiGLU (two up projections) or GELU (one)
+
+
+def llm_block(config: Config) -> Block:
+    m, tp = config.model, config.mesh.tp
+    return Block(m.d_model, m.n_heads // tp * m.head_dim, m.n_kv_heads // tp * m.head_dim, m.d_ff // tp,
+                 m.n_heads // tp, True)
+
+
+def vit_block(config: Config) -> Block:
+    v, tp = config.vision, config.vision.tp
+    return Block(v.width, v.width // tp, v.width // tp, v.mlp_dim // tp, v.n_heads // tp, False)
+
+
+def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[float, float]:
+    """(bytes kept on device, bytes kept in host memory) per layer for the backward, `c` = compute
+    dtype bytes, b sequences of s tokens. Names are jaxpar's checkpoint_name tags (parallel/remat.py)."""
+    t = b * s
+    ups = 2 if blk.gated else 1
+    layer_input = c * t * blk.d
+    linear = c * t * (2 * blk.q + 2 * blk.kv + 2 * blk.d + ups * blk.f)  # q k v attn_out attn_proj mlp_out up(s)
+    scores = b * blk.heads * s * s
+    if policy == "full":
+        return layer_input, 0.0
+    if policy == "offload":
+        return layer_input, linear
+    if policy == "selective":
+        return layer_input + linear, 0.0
+    if policy == "dots":  # + the fp32 attention scores matmul output and the MLP hidden
+        return layer_input + linear + 4 * scores + c * t * blk.f, 0.0
+    # none: + norm outputs, fp32 RoPE'd q / k, SwiGLU hidden, and per score element 14 bytes: what the
+    # compiled program keeps of XLA attention (three fp32 [b, h, s, s] buffers and a 2-byte remainder,
+    # measured in fp32 and bf16 alike; JAX's own residuals are the fp32 and compute-dtype probabilities)
+    extra = c * t * (2 * blk.d + 2 * blk.f) + 4 * t * (blk.q + blk.kv) + 14 * scores
+    return layer_input + linear + extra, 0.0
+
+
+def layer_working_set(policy: str, blk: Block, b: int, s: int, c: int) -> float:
+    """Bytes live while one layer runs its backward: recomputed fp32 scores / probabilities (unless
+    kept), their fp32 cotangents, and fp32 cotangents of the layer's activations."""
+    t, scores = b * s, b * blk.heads * s * s
+    recompute = 0 if policy == "none" else (4 + 4 + c) * scores  # scores, probs fp32, probs compute dtype
+    return recompute + 8 * scores + 4 * t * (2 * blk.d + 2 * blk.f)
+
+
+def head_working_set(config: Config, t: int, c: int) -> float:
+    """The LM head's fp32 logits slice [t, V/tp], its exp and its cotangent, plus the final norm."""
+    return 3 * 4 * t * config.model.vocab_size / config.mesh.tp + 4 * t * config.model.d_model
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+def microbatch(config: Config) -> int:
+    """Sequences per device in one forward/backward pass of the LLM."""
+    mesh, train = config.mesh, config.train
+    splits = config.pipeline.microbatches if mesh.pp > 1 else train.grad_accum
+    return train.global_batch_size // mesh.dp // splits
+
+
+def _states(config: Config, counts: dict, c: int, target: str) -> dict:
+    """Model-state bytes per device (ZeRO table) and where the optimizer state lives."""
+    dp, z, vz = config.mesh.dp, config.zero.stage, config.vision.zero.stage
+    dv = vision_data_ways(config) if config.model.kind == "vla" else 1
+    llm = counts["llm_layers"] + counts["llm_rest"]
+    opt_params = llm / (dp if z >= 1 else 1) + counts["vision"] / (dv if vz >= 1 else 1)
+    master = 4 * opt_params if config.precision == "bf16" else 0.0
+    adam = 8 * opt_params
+    off = config.offload
+    host = (adam if off.optimizer else 0.0) + (master if off.optimizer and off.master_weights else 0.0)
+    out = {"params": c * (llm / (dp if z >= 3 else 1) + counts["vision"]), "master": master,
+           "optimizer": adam, "opt_on_host": host, "opt_params": opt_params}
+    out["device_state"] = out["params"] + master + adam - (0.0 if target == "cpu" else host)
+    return out
+
+
+def _activations(config: Config, c: int, target: str) -> dict:
+    """Saved activations (all layers / in-flight microbatches) and the largest working set."""
+    m, pp, policy = config.model, config.mesh.pp, config.remat.policy
+    b, s = microbatch(config), seq_len(config)
+    blk, layers = llm_block(config), m.n_layers // pp
+    dev, host = saved_per_layer(policy, blk, b, s, c)
+    if pp > 1 and config.pipeline.schedule == "gpipe":
+        live_mb = config.pipeline.microbatches + pp - 1  # every tick's residuals, masked ones too
+    else:
+        live_mb = 1  # 1F1B: one stage vjp at a time; without pp the only pass
+    saved = live_mb * layers * dev
+    host_saved = live_mb * layers * host
+    ring = (2 * pp - 1 + 2) * c * b * s * m.d_model if pp > 1 and config.pipeline.schedule == "1f1b" else 0.0
+    work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, b * s, c))
+    out = {"saved": saved, "saved_host": host_saved, "pipeline_buffers": ring, "working_set": work,
+           "cpu_f32_twins": 0.0}
+    if target == "cpu":  # the host bytes count, and bf16 residual stacks get an f32 twin
+        out["saved"] += host_saved
+        if config.precision == "bf16":  # the layer-input stack is held in f32: 4 - c more bytes per element
+            out["cpu_f32_twins"] = (4 - c) * live_mb * layers * b * s * m.d_model
+    if m.kind == "vla":
+        out.update(_vision_activations(config, c, target))
+    return out
+
+
+def _vision_activations(config: Config, c: int, target: str) -> dict:
+    """The encoder's saved activations and working set, plus the image tokens and their cotangent."""
+    v = config.vision
+    images = config.train.global_batch_size // vision_data_ways(config) * v.cameras
+    n = vit.patches_per_image(v)
+    blk = vit_block(config)
+    dev, host = saved_per_layer(v.remat.policy, blk, images, n, c)
+    if target == "cpu":
+        dev += host
+    tokens = config.train.global_batch_size // config.mesh.dp * vit.image_tokens(v) * config.model.d_model
+    return {"vision_saved": v.depth * dev, "vision_working_set": layer_working_set(v.remat.policy, blk, images, n, c),
+            "image_tokens": (c + 4) * tokens}  # the assembled tokens and their fp32 cotangent accumulator
+
+
+def _gradients(config: Config, counts: dict, c: int) -> dict:
+    """Gradient bytes while the backward runs, and during the optimizer update."""
+    mesh, z = config.mesh, config.zero.stage
+    dp, pp = mesh.dp, mesh.pp
+    llm = counts["llm_layers"] + counts["llm_rest"]
+    scatter = dp if z >= 2 and dp > 1 and pp == 1 else 1  # reduce-scattered layer by layer in the backward
+    if pp > 1:  # fp32 accumulators over microbatches + one microbatch's stage gradients
+        backward = 4 * llm + c * counts["llm_layers"]
+    elif config.train.grad_accum > 1:
+        backward = (4 + c) * llm / scatter
+    else:
+        backward = c * llm / scatter
+    dv = vision_data_ways(config) if config.model.kind == "vla" else 1
+    backward += c * counts["vision"] / (dv if config.vision.zero.stage >= 2 else 1)
+    return {"backward": backward, "reduced": c * llm / (dp if z >= 2 else 1)}
+
+
+def _largest_offloaded_leaf(config: Config, counts: dict, st: dict) -> float:
+    """Offloaded state visits the device for the update; Adam is elementwise, so XLA can stream it
+    leaf by leaf: count the largest stacked leaf (an MLP matrix of every local layer), not the whole
+    state. Not validated: XLA:CPU's memory analysis does not separate host from device bytes."""
+    if not st["opt_on_host"]:
+        return 0.0
+    m, mesh = config.model, config.mesh
+    leaf = m.n_layers // mesh.pp * m.d_model * m.d_ff // mesh.tp
+    return st["opt_on_host"] * leaf / max(st["opt_params"], 1.0)
+
+
+def _largest_leaf(config: Config) -> float:
+    """Parameters of the largest optimizer-sharded leaf: an MLP matrix stacked over the local layers."""
+    m, mesh = config.model, config.mesh
+    leaf = m.n_layers // mesh.pp * m.d_model * (m.d_ff // mesh.tp)
+    return leaf / (mesh.dp if config.zero.stage >= 1 else 1)
+
+
+def estimate(config: Config, target: str = "gpu") -> dict:
+    """Per-device bytes of one train step of `config`: every term, the two phases and the peak."""
+    c = 2 if config.precision == "bf16" else 4
+    bf16 = config.precision == "bf16"
+    counts = local_params(config)
+    st = _states(config, counts, c, target)
+    act = _activations(config, c, target)
+    gr = _gradients(config, counts, c)
+    dp, z = config.mesh.dp, config.zero.stage
+    llm = counts["llm_layers"] + counts["llm_rest"]
+    # XLA:CPU widens the bf16 weights to an f32 copy (4 bytes per parameter held) hoisted out of the
+    # layer scan; the bf16 parameters are then dead and their donated buffers (same shapes, same
+    # dtype) hold the compute-dtype gradients.
+    cpu_weights = 2 * st["params"] if target == "cpu" and bf16 else 0.0
+    grads_backward = gr["backward"] - (min(gr["backward"], st["params"]) if cpu_weights else 0.0)
+    vision_work = act.get("vision_working_set", 0.0)
+    backward = (grads_backward + act["saved"] + act["pipeline_buffers"] + act["cpu_f32_twins"]
+                + act.get("vision_saved", 0.0) + act.get("image_tokens", 0.0)
+                + max(act["working_set"], vision_work) + cpu_weights)
+    # The update (inside the NaN guard's lax.cond): the reduced gradients (XLA:CPU all-reduces bf16 as
+    # f32), the clipped fp32 gradients of every leaf (materialised before Adam), the new m and v of the
+    # leaf being updated, and (pp) the fp32 accumulators. With bf16 the compute-dtype parameters are
+    # dead from the end of the backward until they are rebuilt from the master after the cond (the
+    # ZeRO 1-2 all-gather writes into their donated buffer), so their bytes are free for these.
+    reduced = (4 * llm / (dp if z >= 2 else 1)) if target == "cpu" and bf16 else gr["reduced"]
+    clipped = 4 * st["opt_params"] if config.train.grad_clip > 0 else 0.0
+    moved_in = _largest_offloaded_leaf(config, counts, st) if target == "gpu" else 0.0
+    update = reduced + clipped + 8 * _largest_leaf(config) + moved_in
+    if config.mesh.pp > 1:
+        update += 4 * llm  # the fp32 accumulators are still live when the reduction starts
+    freed = st["params"] if bf16 else 0.0
+    update = max(update - freed, 0.0)
+    temp = max(backward, update)
+    per_device = {"params": st["params"], "master": st["master"], "optimizer": st["optimizer"],
+                  "optimizer_on_host": st["opt_on_host"], "gradients": gr["backward"],
+                  "activations": act["saved"] + act.get("vision_saved", 0.0) + act["pipeline_buffers"],
+                  "activations_on_host": act["saved_host"] if target == "gpu" else 0.0,
+                  "working_set": max(act["working_set"], vision_work),
+                  "cpu_widening": cpu_weights + act["cpu_f32_twins"],
+                  "backward_phase": backward, "update_phase": update,
+                  "state": st["device_state"], "temp": temp, "peak": st["device_state"] + temp}
+    return {"per_device_bytes": per_device, "param_counts": counts, "microbatch": microbatch(config),
+            "seq_len": seq_len(config), "target": target, "phase": "backward" if backward >= update else "update"}

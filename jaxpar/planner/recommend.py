@@ -1,0 +1,127 @@
+"""Layout recommender: enumerate (dp, pp, tp, ZeRO, remat, m), drop what does not fit, rank by
+estimated throughput, and say which of the seeds' planning rules each choice follows or breaks.
+
+Rules (the first seed, sections 2.4, 4.1, 4.4): "TP <= 8 inside a node, PP = number of nodes, DP =
+the rest"; "m >= 4p keeps the bubble under 25%" (with jaxpar's exact (p-1)/(m+p-1), m >= 4p gives
+<= (p-1)/(5p-1) < 20%); "checkpointing before offload". Candidates keep the config's global batch,
+model and precision; everything else is searched. Invalid layouts are those jaxpar.config.validate
+refuses (e.g. ZeRO-3 with a pipeline, tp not dividing the heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+from jaxpar.config import Config, MeshConfig, OffloadConfig, PipelineConfig, RematConfig, TrainConfig, ZeroConfig, validate
+from jaxpar.errors import ConfigError
+from jaxpar.planner import cost, memory
+from jaxpar.planner.hardware import GB, Hardware
+
+REMATS = ("none", "selective", "full")
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _with(config: Config, dp, pp, tp, zero, remat, m, offload, vision_tp) -> Config:
+    return dataclasses.replace(
+        config, mesh=MeshConfig(dp, pp, tp), zero=ZeroConfig(zero), remat=RematConfig(remat),
+        pipeline=PipelineConfig(config.pipeline.schedule if pp > 1 else "1f1b", m if pp > 1 else 1),
+        train=dataclasses.replace(config.train, grad_accum=1 if pp > 1 or config.model.kind == "vla" else m),
+        offload=OffloadConfig(optimizer=offload, master_weights=True),
+        vision=dataclasses.replace(config.vision, tp=vision_tp))
+
+
+def _vision_tps(config: Config, tp: int) -> list[int]:
+    """The config's vision.tp where it divides tp, else (or when the images do not split evenly over
+    the other devices) the next candidates up to tp."""
+    if config.model.kind != "vla":
+        return [config.vision.tp]
+    return sorted({k for k in divisors(tp) if k >= min(config.vision.tp, tp)}, key=lambda k: (k != config.vision.tp, k))
+
+
+def candidates(config: Config, gpus: int) -> Iterator[Config]:
+    """Every layout of `gpus` devices that jaxpar.config.validate accepts."""
+    batch = config.train.global_batch_size
+    for tp in divisors(gpus):
+        for pp in divisors(gpus // tp):
+            dp = gpus // tp // pp
+            if batch % dp:
+                continue
+            per_dp = batch // dp
+            splits = [k for k in divisors(per_dp) if pp > 1 and k >= pp or pp == 1 and k <= 8] or [per_dp]
+            for m in splits:
+                for zero in range(4 if pp == 1 else 3) if dp > 1 else (0,):  # dp=1: stages equal
+                    for remat in REMATS:
+                        for offload in (False, True):
+                            if offload and remat != "full":
+                                continue  # checkpointing before offload: offload only on top of full remat
+                            for vision_tp in _vision_tps(config, tp):
+                                candidate = _with(config, dp, pp, tp, zero, remat, m, offload, vision_tp)
+                                try:
+                                    validate(candidate)
+                                except ConfigError:
+                                    continue
+                                yield candidate
+                                break
+
+
+def evaluate(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
+    mem = memory.estimate(config, "gpu")["per_device_bytes"]
+    time = cost.step_time(config, hw, gpus_per_node)
+    return {"config": config, "peak": mem["peak"], "fits": mem["peak"] <= hw.usable_bytes, **time}
+
+
+def describe(config: Config) -> str:
+    mesh, p = config.mesh, config.mesh.pp
+    split = f"m={config.pipeline.microbatches} ({config.pipeline.schedule})" if p > 1 else \
+        f"grad_accum={config.train.grad_accum}"
+    off = " +offload.optimizer" if config.offload.optimizer else ""
+    return f"dp={mesh.dp} pp={p} tp={mesh.tp} zero={config.zero.stage} remat={config.remat.policy}{off} {split}"
+
+
+def rules(result: dict, gpus: int, gpus_per_node: int) -> list[tuple[str, bool, str]]:
+    """(rule, followed, detail) for one layout."""
+    config = result["config"]
+    mesh, nodes = config.mesh, max(gpus // gpus_per_node, 1)
+    p, m = mesh.pp, config.pipeline.microbatches
+    out = [("TP <= 8 inside a node", mesh.tp <= min(8, gpus_per_node),
+            f"tp={mesh.tp} all-reduces over {result['links']['tp']}"),
+           ("PP = number of nodes", p == nodes, f"pp={p}, {nodes} node(s)"),
+           ("DP = the rest", True, f"dp={mesh.dp}")]
+    if p > 1:
+        out.append(("m >= 4p keeps the bubble under 25%", m >= 4 * p,
+                    f"m={m}, p={p}: bubble {result['bubble_fraction']:.0%}"))
+    if config.offload.optimizer:
+        out.append(("checkpointing before offload", config.remat.policy == "full",
+                    f"remat={config.remat.policy}, optimizer state in host memory"))
+    return out
+
+
+def recommend(config: Config, gpus: int, gpus_per_node: int, hw: Hardware, top: int = 5) -> dict:
+    """The `top` fitting layouts by estimated tokens/s, the rules each follows, and the best layout
+    that follows each rule (so a broken rule comes with its price)."""
+    if gpus_per_node > gpus:
+        raise ConfigError(f"--gpus_per_node={gpus_per_node} is more than --gpus={gpus}; "
+                          f"use --gpus_per_node <= {gpus}")
+    if gpus % gpus_per_node:
+        raise ConfigError(f"--gpus={gpus} is not a whole number of {gpus_per_node}-GPU nodes")
+    results = [evaluate(c, hw, gpus_per_node) for c in candidates(config, gpus)]
+    if not results:
+        raise ConfigError(f"no valid (dp, pp, tp) layout of {gpus} GPUs for this model and global batch "
+                          f"{config.train.global_batch_size}; change --gpus or train.global_batch_size")
+    fitting = sorted((r for r in results if r["fits"]), key=lambda r: (-r["tokens_per_s"], r["peak"]))
+    if not fitting:
+        best = min(results, key=lambda r: r["peak"])
+        raise ConfigError(f"no layout of {gpus} x {hw.name} fits: the smallest estimated peak is "
+                          f"{best['peak'] / GB:.1f} GB ({describe(best['config'])}), "
+                          f"{(best['peak'] - hw.usable_bytes) / GB:.1f} GB over the {hw.usable_bytes / GB:.1f} GB usable; "
+                          f"add GPUs or use a GPU with more memory")
+    chosen = fitting[:top]
+    alternatives = {}
+    for rule, _, _ in rules(fitting[0], gpus, gpus_per_node):
+        following = [r for r in fitting if any(n == rule and ok for n, ok, _ in rules(r, gpus, gpus_per_node))]
+        alternatives[rule] = following[0] if following else None
+    return {"ranked": chosen, "considered": len(results), "fitting": len(fitting), "alternatives": alternatives}

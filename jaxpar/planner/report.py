@@ -1,0 +1,78 @@
+"""The planner's report: one dict (the --json output) and its text rendering."""
+
+from __future__ import annotations
+
+from jaxpar.config import Config, to_dict
+from jaxpar.planner import cost, memory
+from jaxpar.planner.hardware import GB, Hardware
+from jaxpar.planner.recommend import describe, rules
+
+MEMORY_ROWS = [
+    ("params", "compute-dtype weights"),
+    ("master", "fp32 master weights"),
+    ("optimizer", "Adam m + v (fp32)"),
+    ("optimizer_on_host", "  of which in host memory (offload)"),
+    ("gradients", "gradients during the backward"),
+    ("activations", "saved activations (remat, schedule, m)"),
+    ("activations_on_host", "  activations offloaded to host"),
+    ("working_set", "largest temporary (one layer's backward / LM head)"),
+    ("backward_phase", "temp: backward phase"),
+    ("update_phase", "temp: optimizer-update phase"),
+    ("peak", "PEAK (device state + larger phase)"),
+]
+
+
+def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") -> dict:
+    mem = memory.estimate(config, target)
+    time = cost.step_time(config, hw, gpus_per_node)
+    return {"layout": describe(config), "devices": config.mesh.size, "hardware": hw.name, "target": target,
+            "per_device_bytes": mem["per_device_bytes"], "fits": mem["per_device_bytes"]["peak"] <= hw.usable_bytes,
+            "usable_bytes": hw.usable_bytes, "microbatch_sequences": mem["microbatch"], "seq_len": mem["seq_len"],
+            "peak_phase": mem["phase"], "param_counts_per_device": mem["param_counts"],
+            "flops_per_step": time["model_flops"], "executed_flops_per_device": time["executed_flops_per_device"],
+            "step_time": {k: time[k] for k in ("compute_s", "bubble_s", "tp_comm_s", "dp_comm_s", "pp_comm_s",
+                                               "step_s")},
+            "links": time["links"], "bubble_fraction": time["bubble_fraction"], "mfu": time["mfu"],
+            "tokens_per_s": time["tokens_per_s"], "config": to_dict(config)}
+
+
+def format_plan(report: dict) -> str:
+    pd = report["per_device_bytes"]
+    st = report["step_time"]
+    fits = "fits" if report["fits"] else "does NOT fit"
+    lines = [f"plan: {report['layout']} on {report['devices']} x {report['hardware']} "
+             f"(estimate for {report['target']}; microbatch {report['microbatch_sequences']} x {report['seq_len']} tokens)",
+             "per-device memory (GB = 1e9 bytes):"]
+    lines += [f"  {label:<52} {pd[key] / GB:9.2f}" for key, label in MEMORY_ROWS]
+    lines.append(f"  -> {fits} in {report['usable_bytes'] / GB:.1f} GB usable; peak in the {report['peak_phase']} phase")
+    lines.append(f"FLOPs per step {report['flops_per_step']:.3e} (model); executed per device "
+                 f"{report['executed_flops_per_device']:.3e} (with recompute and masked pipeline work)")
+    lines.append("step time (s):")
+    for key, label in (("compute_s", "compute"), ("bubble_s", f"pipeline bubble ({report['bubble_fraction']:.0%})"),
+                       ("tp_comm_s", f"tp all-reduces ({report['links']['tp']})"),
+                       ("dp_comm_s", f"dp gradient sync ({report['links']['dp']})"),
+                       ("pp_comm_s", f"pp sends ({report['links']['pp']})"), ("step_s", "total")):
+        lines.append(f"  {label:<40} {st[key]:9.3f}")
+    lines.append(f"MFU {report['mfu']:.1%}, {report['tokens_per_s']:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def format_recommendation(result: dict, gpus: int, gpus_per_node: int, hw: Hardware) -> str:
+    lines = [f"recommend: {gpus} x {hw.name} ({gpus // gpus_per_node} node(s) of {gpus_per_node}); "
+             f"{result['considered']} valid layouts, {result['fitting']} fit in {hw.usable_bytes / GB:.1f} GB"]
+    for rank, r in enumerate(result["ranked"], 1):
+        lines.append(f"{rank}. {describe(r['config'])}: {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}, "
+                     f"peak {r['peak'] / GB:.1f} GB, step {r['step_s']:.2f}s (compute {r['compute_s']:.2f}, "
+                     f"bubble {r['bubble_s']:.2f}, tp {r['tp_comm_s']:.2f}, dp {r['dp_comm_s']:.2f}, pp {r['pp_comm_s']:.2f})")
+        for rule, ok, detail in rules(r, gpus, gpus_per_node):
+            why = "" if ok else _price(rule, r, result["alternatives"].get(rule))
+            lines.append(f"     {'follows' if ok else 'BREAKS '} \"{rule}\": {detail}{why}")
+    return "\n".join(lines)
+
+
+def _price(rule: str, chosen: dict, alternative: dict | None) -> str:
+    """Why breaking a rule is worth it: what the best layout that follows it gives."""
+    if alternative is None:
+        return "; no fitting layout follows it"
+    slower = 1 - alternative["tokens_per_s"] / chosen["tokens_per_s"]
+    return f"; the best that follows it ({describe(alternative['config'])}) is {slower:.0%} slower"

@@ -1,0 +1,122 @@
+"""Training on real data: evaluation records, exact resume through the grain iterator state, the CLI."""
+
+import dataclasses
+import json
+import math
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import TINY_MODEL, builder_for, make_config
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.config import CheckpointConfig, DataConfig, EvalConfig
+from jaxpar.data.text import prepare_text, read_meta
+from jaxpar.loop import train
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TEXT_MODEL = dataclasses.replace(TINY_MODEL, vocab_size=264)  # byte tokenizer: 258 ids, padded for tp <= 8
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text corpus (this repo's own Python sources), prepared into train / held-out shards."""
+    out = tmp_path_factory.mktemp("corpus")
+    prepare_text(REPO / "jaxpar", out / "train", out / "heldout", pattern="**/*.py", heldout_fraction=0.2)
+    return out
+
+
+def text_config(corpus, steps=4, every=2, checkpoint_every=0, **layout):
+    config = make_config(model=TEXT_MODEL, steps=steps, **{"dp": 2, "tp": 4, "stage": 1, **layout})
+    return dataclasses.replace(config, data=DataConfig(train=str(corpus / "train"), eval=str(corpus / "heldout")),
+                               eval=EvalConfig(every=every, batches=2),
+                               checkpoint=CheckpointConfig(every=checkpoint_every, keep=10))
+
+
+def metrics(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_eval_records_every_n_steps_and_at_the_end_with_bits_per_byte(corpus, tmp_path):
+    config = text_config(corpus, steps=5, every=2)
+    train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    evals = [r for r in metrics(tmp_path) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4, 5]
+    meta = read_meta(corpus / "heldout")
+    for record in evals:
+        bytes_per_token = meta["bytes"] / meta["tokens"]
+        assert record["eval_bits_per_byte"] == pytest.approx(record["eval_loss"] / math.log(2) / bytes_per_token)
+        assert record["unigram_bits_per_byte"] == meta["unigram_bits_per_byte"]
+        assert 0 <= record["eval_accuracy"] <= 1
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # held-out loss falls while training
+    assert evals[0]["eval_loss"] < math.log(TEXT_MODEL.vocab_size) + 0.5
+
+
+def test_resume_reads_exactly_the_batches_an_uninterrupted_run_reads(corpus, tmp_path):
+    """The grain iterator's position is in the checkpoint: resumed losses are bit-identical."""
+    config = text_config(corpus, steps=6, every=0, checkpoint_every=3)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval=""))
+    full = [r["loss"] for r in train(config, builder_for(config).mesh, tmp_path, show_progress=False)]
+    for path in (tmp_path / "checkpoints").iterdir():
+        if path.name.isdigit() and int(path.name) > 3:
+            shutil.rmtree(path)
+    meta = json.loads((tmp_path / "checkpoints" / "3" / "meta" / "metadata").read_text())
+    assert meta["data"] == {"grain": {"next_index": 3}}
+    resumed = train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == full[3:]
+
+
+def test_a_different_layout_trains_on_the_same_examples(corpus, tmp_path):
+    """Data order does not depend on the layout: (2,1,4) and (4,1,2) see the same batches."""
+    losses = []
+    for index, layout in enumerate((dict(dp=2, tp=4), dict(dp=4, tp=2))):
+        config = text_config(corpus, steps=3, every=0, **layout)
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, eval=""))
+        losses.append([r["loss"] for r in train(config, builder_for(config).mesh, tmp_path / str(index),
+                                                 show_progress=False)])
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "jaxpar.train", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_vla_tiny_generates_its_data_on_first_use_and_evaluates(tmp_path):
+    proc = run_cli("--config", REPO / "configs" / "vla_tiny.py", "--config.train.steps=4", "--config.eval.every=2",
+                   "--config.train.log_every=1", "--workdir", tmp_path / "run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list((tmp_path / "data" / "vla_tiny" / "train").glob("episode_*.npz"))) == 4000
+    assert not list((tmp_path / "data" / "vla_tiny").glob("*.partial-*"))
+    evals = [r for r in metrics(tmp_path / "run") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert {"eval_action_accuracy", "eval_action_l1", "eval_action_accuracy_by_dim"} <= set(evals[-1])
+    assert "eval_action_accuracy" in proc.stdout  # the summary line
+
+
+@pytest.mark.parametrize("key", ["train", "eval"])
+def test_a_missing_data_directory_is_a_one_line_error(key, tmp_path):
+    for split in ("train", "eval"):  # both present, then one of them missing
+        (tmp_path / split).mkdir()
+        (tmp_path / split / "meta.json").write_text("{}")
+    proc = run_cli("--config", "llama_tiny", "--config.data.generate=false", "--config.data.train=train",
+                   "--config.data.eval=eval", f"--config.data.{key}=nowhere", "--workdir", tmp_path / "run",
+                   cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"data.{key}=nowhere: no such directory" in lines[0] and "data.generate=true" in lines[0]
+
+
+def test_checkpointer_meta_round_trips_the_data_state(tmp_path):
+    config = make_config(steps=1)
+    builder = builder_for(config)
+    checkpoints = Checkpointer(tmp_path, config)
+    checkpoints.save(1, builder.init_state(0), {"grain": {"next_index": 7}})
+    checkpoints.wait()
+    _, step, data_state = checkpoints.restore(builder.abstract_state())
+    checkpoints.close()
+    assert step == 1 and data_state == {"grain": {"next_index": 7}}
