@@ -16,9 +16,9 @@ def get_config():
     c.mesh = dict(dp=2, pp=1, tp=4)
     c.zero = dict(stage=1)
     c.precision = "fp32"
-    c.train = dict(steps=600, global_batch_size=16, seq_len=128, seed=0, lr=3e-3, warmup_steps=30,
+    c.train = dict(steps=2000, global_batch_size=16, seq_len=128, seed=0, lr=3e-3, warmup_steps=30,
                    weight_decay=0.0, log_every=10)
     c.model = dict(vocab_size=264, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=256)
     c.data = dict(train="data/pystdlib/train", eval="data/pystdlib/heldout", generate=True)
-    c.eval = dict(every=100, batches=20)
+    c.eval = dict(every=250, batches=20)
     return c
