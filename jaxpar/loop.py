@@ -17,6 +17,7 @@ import statistics
 import time
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from jaxpar.checkpoint import Checkpointer
@@ -108,7 +109,7 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
             if every and step % every == 0 and step < steps:
                 checkpoints.save(step, state, data.get_state())
                 saved = step
-            if evaluation is not None and evaluation.due(step):
+            if evaluation is not None and evaluation.due(step) and step < steps:
                 evaluation.run(step, state.params)
         logger.flush()
     except TrainingStopped:
@@ -116,6 +117,8 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
         raise
     if step > saved:  # (after another error the state may be gone: nothing is saved then)
         checkpoints.save(step, state, data.get_state())
+    if evaluation is not None and step == steps:  # after the save: a failing evaluation loses no work
+        evaluation.run(step, state.params)
     return step
 
 
@@ -153,14 +156,14 @@ class Evaluation:
 
     def due(self, step: int) -> bool:
         every = self.config.eval.every
-        return step == self.config.train.steps or bool(every and step % every == 0)
+        return bool(every and step % every == 0)
 
     def run(self, step: int, params) -> dict:
-        totals = None
-        for batch in self.data:
-            sums = self.step_fn(params, batch)
-            totals = sums if totals is None else {k: totals[k] + sums[k] for k in totals}
-        sums = {k: v.tolist() for k, v in jax.device_get(totals).items()}
+        totals = {}
+        for batch in self.data:  # summed on the host in float64: token counts stay exact
+            for key, value in jax.device_get(self.step_fn(params, batch)).items():
+                totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64)
+        sums = {k: v.tolist() for k, v in totals.items()}
         record = {"step": step, **metrics_from_sums(sums, self.data.bytes_per_token)}
         if self.data.unigram_bits_per_byte is not None:
             record["unigram_bits_per_byte"] = self.data.unigram_bits_per_byte

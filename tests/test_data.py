@@ -356,13 +356,13 @@ def test_grain_data_shards_of_other_processes_read_the_rows_of_one_process(corpu
     sharding = NamedSharding(Layout().make_mesh(), P(None, None))
     steps = len(TokenSource(root / "out" / "train", 8, 264)) // 4 + 2  # into the second epoch
     one = GrainData(config, sharding)
-    expected = [windows(next(one.iterator)) for _ in range(steps)]
+    expected = [windows(one.next_local()) for _ in range(steps)]
     got = [[] for _ in range(steps)]
     for k in range(shards):
         monkeypatch.setattr(pipeline, "process_shard", lambda sharding, batch, k=k: (k, shards))
         data = GrainData(config, sharding)
         for s in range(steps):
-            local = next(data.iterator)
+            local = data.next_local()
             assert local["inputs"].shape == (4 // shards, 8)
             got[s] += windows(local)
     for s in range(steps):

@@ -29,12 +29,11 @@ def stdlib_dir() -> pathlib.Path:
 
 def _generate(config: Config, train: pathlib.Path, heldout: pathlib.Path) -> None:
     if config.model.kind == "vla":
-        from jaxpar.data.episodes import write_split
+        from jaxpar.data.episodes import write_splits
 
         v, act = config.vision, config.actions
-        shape = dict(size=v.image_size, grid=v.image_size // v.patch_size, dims=act.dims, cameras=v.cameras)
-        seen = write_split(train, VLA_EPISODES["train"], 0, **shape)
-        write_split(heldout, VLA_EPISODES["heldout"], 1_000_003, exclude=seen, **shape)
+        write_splits(train, VLA_EPISODES["train"], VLA_EPISODES["heldout"], heldout_dir=heldout, size=v.image_size,
+                     grid=v.image_size // v.patch_size, dims=act.dims, cameras=v.cameras)
     else:
         from jaxpar.data.text import prepare_text
 

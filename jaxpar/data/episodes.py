@@ -19,7 +19,6 @@ target) that the train split has.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import pathlib
@@ -37,6 +36,7 @@ DONE_MARKER = "COMPLETE"  # written last by write_split: a directory without it 
 # np.load parses .npy headers with ast.literal_eval, which CPython 3.11 cannot run in two threads at
 # once ("AST constructor recursion depth mismatch"); grain reads with several threads.
 NPY_LOCK = threading.Lock()
+CACHE_EPISODES = 16384  # decompressed episodes kept per source (the demo task: 4000, 12 MB)
 
 
 def render(size: int, grid: int, squares: list[tuple[str, int, int]], effector: tuple[int, int]) -> np.ndarray:
@@ -118,10 +118,13 @@ def write_split(directory: pathlib.Path, episodes: int, seed: int, exclude: set[
     return written
 
 
-def write_splits(out: pathlib.Path, train: int, heldout: int, seed: int = 0, **shape) -> None:
-    """Train and held-out splits in out/train and out/heldout with no scene in common."""
-    seen = write_split(out / "train", train, seed, **shape)
-    write_split(out / "heldout", heldout, seed + 1_000_003, exclude=seen, **shape)
+def write_splits(out: pathlib.Path, train: int, heldout: int, seed: int = 0, heldout_dir: pathlib.Path | None = None,
+                 **shape) -> None:
+    """A train split in `out`/train (or `out` itself when `heldout_dir` is given) and a held-out split
+    in `out`/heldout (or `heldout_dir`) with another seed and no scene in common."""
+    train_dir = out if heldout_dir is not None else out / "train"
+    seen = write_split(train_dir, train, seed, **shape)
+    write_split(heldout_dir or out / "heldout", heldout, seed + 1_000_003, exclude=seen, **shape)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -174,6 +177,7 @@ class EpisodeSource:
             length, self.shapes = _episode_length(path, self.shapes)
             lengths.append(length)
         self.starts = np.concatenate([[0], np.cumsum(lengths)])
+        self._cache: dict[int, dict] = {}
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -192,11 +196,17 @@ class EpisodeSource:
         ids[:len(text)] = np.frombuffer(text, np.uint8)
         return ids
 
-    @functools.lru_cache(maxsize=512)
     def episode(self, index: int) -> dict:
-        with NPY_LOCK, np.load(self.files[index]) as data:
-            return {"images": data["images"], "instruction": self.instruction_ids(index, data),
-                    "actions": data["actions"].astype(np.float32)}
+        """Episode `index`, decompressed once and kept (up to CACHE_EPISODES per source)."""
+        cached = self._cache.get(index)
+        if cached is None:
+            with NPY_LOCK, np.load(self.files[index]) as data:
+                cached = {"images": data["images"], "instruction": self.instruction_ids(index, data),
+                          "actions": data["actions"].astype(np.float32)}
+            if len(self._cache) >= CACHE_EPISODES:
+                self._cache.pop(next(iter(self._cache)))  # the oldest
+            self._cache[index] = cached
+        return cached
 
     def __getitem__(self, record: int) -> dict:
         index = int(np.searchsorted(self.starts, record, side="right")) - 1

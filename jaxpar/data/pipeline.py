@@ -94,7 +94,11 @@ def _batch_fn(config: Config, with_values: bool = False):
 
 
 class GrainData:
-    """The training batches: an endless, per-epoch reshuffled pass over `data.train`."""
+    """The training batches: an endless, per-epoch reshuffled pass over `data.train`.
+
+    The state is the number of batches read. The batched dataset is a grain MapDataset (random
+    access), so resuming re-opens it at that index: the same state whatever the number of processes
+    or of grain workers (whose own iterator states differ in form)."""
 
     def __init__(self, config: Config, sharding):
         self.config, self.sharding = config, sharding
@@ -102,20 +106,44 @@ class GrainData:
         self.source = make_source(config, config.data.train)
         shard, shards = process_shard(sharding, self.global_batch)
         dataset = grain.MapDataset.source(self.source).shuffle(seed=config.train.seed + SHUFFLE_SALT).repeat()
-        dataset = dataset[shard::shards].batch(self.global_batch // shards).map(_batch_fn(config))
-        iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
-        if config.data.workers:
-            iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.data.workers))
-        self.iterator = iter(iter_dataset)
+        self.batches = dataset[shard::shards].batch(self.global_batch // shards).map(_batch_fn(config))
+        self.position, self.iterator = 0, None
+
+    def _open(self) -> Iterator[dict]:
+        iter_dataset = self.batches[self.position:].to_iter_dataset(
+            grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
+        if self.config.data.workers:
+            _mark_absl_flags_parsed()
+            iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.config.data.workers))
+        return iter(iter_dataset)
+
+    def next_local(self) -> dict:
+        """This process's rows of the next global batch (numpy)."""
+        if self.iterator is None:
+            self.iterator = self._open()
+        batch = next(self.iterator)
+        self.position += 1
+        return batch
 
     def next_batch(self) -> dict:
-        return to_global(next(self.iterator), self.sharding, self.global_batch)
+        return to_global(self.next_local(), self.sharding, self.global_batch)
 
     def get_state(self) -> dict:
-        return {"grain": self.iterator.get_state()}
+        return {"grain": {"next_index": self.position}}
 
     def set_state(self, state: dict) -> None:
-        self.iterator.set_state(state["grain"])
+        if "grain" not in state:
+            raise ConfigError("the checkpoint was written with synthetic data (data.train empty); resume with "
+                              "the original settings or use a fresh --workdir")
+        self.position, self.iterator = int(state["grain"]["next_index"]), None
+
+
+def _mark_absl_flags_parsed() -> None:
+    """grain's worker processes read absl flags, which a non-absl CLI never parses."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 class EvalData:
@@ -162,6 +190,9 @@ class SyntheticIterator:
         return {"synthetic_step": self.step}
 
     def set_state(self, state: dict) -> None:
+        if "synthetic_step" not in state:
+            raise ConfigError("the checkpoint was written with data.train set (grain data); resume with the "
+                              "original data.train or use a fresh --workdir")
         self.step = state["synthetic_step"]
 
 

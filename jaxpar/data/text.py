@@ -54,7 +54,10 @@ class HFTokenizer:
         self.name, self.model = str(path), tokenizers.Tokenizer.from_file(str(path))
         self.vocab_size = self.model.get_vocab_size()
         specials = [self.model.token_to_id(t) for t in ("</s>", "<|endoftext|>", "[SEP]", "<eos>")]
-        self.eos_id = next((i for i in specials if i is not None), self.vocab_size - 1)
+        self.eos_id = next((i for i in specials if i is not None), None)
+        if self.eos_id is None:
+            raise ConfigError(f"{path} has none of the end-of-document tokens </s>, <|endoftext|>, [SEP], <eos>; "
+                              f"add one to the tokenizer so documents can be separated")
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.model.encode(text, add_special_tokens=False).ids, np.int64)
@@ -94,7 +97,7 @@ class ShardWriter:
     def __init__(self, directory: pathlib.Path, tokenizer):
         self.directory, self.tokenizer = directory, tokenizer
         self.dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-        self.buffer, self.shards, self.tokens, self.bytes, self.files = [], 0, 0, 0, 0
+        self.buffer, self.buffered, self.shards, self.tokens, self.bytes, self.files = [], 0, 0, 0, 0, 0
         directory.mkdir(parents=True, exist_ok=True)
         for old in [*directory.glob("tokens_*.npy"), directory / META]:  # an earlier run's shards
             old.unlink(missing_ok=True)
@@ -102,14 +105,15 @@ class ShardWriter:
     def add(self, text: str) -> None:
         ids = np.append(self.tokenizer.encode(text), self.tokenizer.eos_id).astype(self.dtype)
         self.buffer.append(ids)
+        self.buffered += len(ids)
         self.tokens, self.bytes, self.files = self.tokens + len(ids), self.bytes + len(text.encode()), self.files + 1
-        if sum(len(b) for b in self.buffer) >= SHARD_TOKENS:
+        if self.buffered >= SHARD_TOKENS:
             self._flush()
 
     def _flush(self) -> None:
         if self.buffer:
             np.save(self.directory / f"tokens_{self.shards:05d}.npy", np.concatenate(self.buffer))
-            self.buffer, self.shards = [], self.shards + 1
+            self.buffer, self.buffered, self.shards = [], 0, self.shards + 1
 
     def close(self, **extra) -> dict:
         self._flush()

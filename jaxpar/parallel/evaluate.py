@@ -66,7 +66,7 @@ class Evaluator:
             x = llama.run_layers(self._llm_input(llm, text, image_tokens), llm["layers"], self.config.model,
                                  self.coll, None, b.prefix_len)
             sums = self._head_sums(llm, x, text)
-        return {k: b._dp_sum(v.astype(jnp.float32)) for k, v in sums.items()}
+        return b._dp_sum({k: v.astype(jnp.float32) for k, v in sums.items()})  # one all-reduce for the tree
 
     def jit_eval_step(self):
         """(params, batch) -> replicated dict of metric sums for one global batch."""

@@ -223,7 +223,7 @@ class Pipeline:
         embed, head = self._stage_varying(params)
         sums = self._forward_ticks(params["layers"], embed, head, self._micro_images(image_tokens),
                                    self._micro(batch, self.m), head_fn, self._varying(zero_sums))
-        return jax.tree.map(lambda s: jax.lax.psum(s, PP), sums)
+        return jax.lax.psum(sums, PP)  # one variadic all-reduce for the whole tree
 
     def loss_and_grads(self, params, batch, token_count, image_tokens=None):
         """(loss, local gradients, cotangent of the image tokens or None) for this device."""

@@ -89,8 +89,7 @@ def rules(result: dict, gpus: int, gpus_per_node: int) -> list[tuple[str, bool, 
     p, m = mesh.pp, config.pipeline.microbatches
     out = [("TP <= 8 inside a node", mesh.tp <= min(8, gpus_per_node),
             f"tp={mesh.tp} all-reduces over {result['links']['tp']}"),
-           ("PP = number of nodes", p == nodes, f"pp={p}, {nodes} node(s)"),
-           ("DP = the rest", True, f"dp={mesh.dp}")]
+           ("PP = number of nodes", p == nodes, f"pp={p}, {nodes} node(s); DP = the rest = {mesh.dp}")]
     if p > 1:
         out.append(("m >= 4p keeps the bubble under 25%", m >= 4 * p,
                     f"m={m}, p={p}: bubble {result['bubble_fraction']:.0%}"))
