@@ -117,7 +117,7 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
         raise
     if step > saved:  # (after another error the state may be gone: nothing is saved then)
         checkpoints.save(step, state, data.get_state())
-    if evaluation is not None and step == steps:  # after the save: a failing evaluation loses no work
+    if evaluation is not None and step == steps > start:  # after the save: a failing evaluation loses no work
         evaluation.run(step, state.params)
     return step
 
