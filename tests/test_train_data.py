@@ -121,3 +121,19 @@ def test_checkpointer_meta_round_trips_the_data_state(tmp_path):
     _, step, data_state = checkpoints.restore(builder.abstract_state())
     checkpoints.close()
     assert step == 1 and data_state == {"grain": {"next_index": 7}}
+
+
+def test_grain_worker_processes_feed_the_same_batches(corpus, tmp_path):
+    """data.workers=1 (grain's mp_prefetch, a child process) trains to the same losses as in-process
+    reading, and its checkpointed data state resumes a run without workers."""
+    common = ["--config", "llama_tiny", f"--config.data.train={corpus / 'train'}", "--config.data.eval=",
+              "--config.train.steps=3", "--config.train.log_every=1", "--config.checkpoint.every=2"]
+    losses = []
+    for workers in (0, 1):
+        proc = run_cli(*common, f"--config.data.workers={workers}", "--workdir", tmp_path / str(workers), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses.append([r["loss"] for r in metrics(tmp_path / str(workers))])
+    assert losses[0] == losses[1]
+    proc = run_cli(*common[:-2], "--config.train.steps=4", "--config.data.workers=0", "--workdir", tmp_path / "1",
+                   cwd=tmp_path)
+    assert proc.returncode == 0 and "resuming from step 3" in proc.stdout, proc.stderr[-3000:]
