@@ -12,17 +12,14 @@ import argparse
 import json
 import sys
 
+from jaxpar.cli import OneLineArgumentParser, main_with_one_line_errors, parse_with_overrides
 from jaxpar.errors import ConfigError
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(f"{message}; usage: {self.prog} --config NAME [--config.KEY=VALUE ...] [--gpu NAME] "
-                          f"[--json] [--recommend --gpus N --gpus_per_node 8]")
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = _ArgumentParser(prog="python -m jaxpar.plan", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="python -m jaxpar.plan", description=__doc__.splitlines()[0],
+                                   usage_hint="--config NAME [--config.KEY=VALUE ...] [--gpu NAME] [--json] "
+                                              "[--recommend --gpus N --gpus_per_node 8]")
     parser.add_argument("--config", required=True)
     parser.add_argument("--gpu", default="a100-80gb", help="hardware profile (jaxpar/planner/hardware.py)")
     parser.add_argument("--hardware_json", default=None, help="JSON file or string overriding profile fields")
@@ -33,13 +30,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--target", choices=("gpu", "cpu"), default="gpu",
                         help="cpu: model XLA:CPU's bf16 widening, to compare with a dry run on this host")
     parser.add_argument("--json", action="store_true")
-    args, rest = parser.parse_known_args(argv)
-    overrides = []
-    for item in rest:
-        if not item.startswith("--config.") or "=" not in item:
-            raise ConfigError(f"unknown argument '{item}'; config keys are set as --config.KEY=VALUE")
-        overrides.append(item[len("--config."):])
-    return args, overrides
+    return parse_with_overrides(parser, argv)
 
 
 def run(argv: list[str]) -> int:
@@ -67,11 +58,7 @@ def run(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(sys.argv[1:] if argv is None else argv)
-    except ConfigError as err:
-        print(f"jaxpar: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
-        return 2
+    return main_with_one_line_errors(run, argv)
 
 
 if __name__ == "__main__":

@@ -13,34 +13,20 @@ import os
 import pathlib
 import sys
 
+from jaxpar.cli import OneLineArgumentParser, main_with_one_line_errors, parse_with_overrides
 from jaxpar.errors import ConfigError
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one ConfigError line (no usage block), like every other mistake."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message}; usage: {self.prog} --config NAME_OR_PATH [--config.KEY=VALUE ...] "
-                          f"[--workdir DIR] [--dry_run]")
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = _ArgumentParser(prog="python -m jaxpar.train", description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(prog="python -m jaxpar.train", description=__doc__.splitlines()[0],
+                                   usage_hint="--config NAME_OR_PATH [--config.KEY=VALUE ...] [--workdir DIR] [--dry_run]")
     parser.add_argument("--config", required=True, help="configs/NAME.py, a bare NAME, or a path")
     parser.add_argument("--workdir", default=None, help="where metrics.jsonl, tb/ and dry_run.json go")
     parser.add_argument("--dry_run", action="store_true", help="compile the real step, report memory and comms")
     parser.add_argument("--coordinator_address", default=None, help="multi-host: host:port of process 0")
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
-    args, rest = parser.parse_known_args(argv)
-    overrides = []
-    for item in rest:
-        if not item.startswith("--config."):
-            raise ConfigError(f"unknown argument '{item}'; config keys are set as --config.KEY=VALUE")
-        if "=" not in item:
-            raise ConfigError(f"'{item}' has no value; write {item}=VALUE (one argument, with '=')")
-        overrides.append(item[len("--config."):])
-    return args, overrides
+    return parse_with_overrides(parser, argv)
 
 
 def ensure_writable(workdir: pathlib.Path) -> None:
@@ -114,12 +100,7 @@ def summary(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(sys.argv[1:] if argv is None else argv)
-    except ConfigError as err:
-        message = " ".join(str(err).splitlines())  # always exactly one line
-        print(f"jaxpar: error: {message}", file=sys.stderr)
-        return 2
+    return main_with_one_line_errors(run, argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from conftest import TINY_MODEL, builder_for, make_config, replace
 from jaxpar.config import DataConfig, EvalConfig, load_config
 from jaxpar.data import demo, pipeline, text
 from jaxpar.data.episodes import DONE_MARKER, EpisodeSource, write_split
-from jaxpar.data.pipeline import (EvalData, GrainData, SyntheticIterator, episode_batch, make_source, process_shard,
+from jaxpar.data.synthetic import SyntheticData
+from jaxpar.data.pipeline import (EvalData, GrainData, episode_batch, make_source, process_shard,
                                   text_batch, train_data)
 from jaxpar.data.text import TokenSource, is_heldout, prepare_text, read_meta
 from jaxpar.errors import ConfigError
@@ -597,12 +598,12 @@ def test_synthetic_iterator_state_round_trips():
     config = make_config(dp=2, tp=4)
     sharding = builder_for(config).batch_sharding()
     data = train_data(config, sharding)
-    assert isinstance(data, SyntheticIterator)
+    assert isinstance(data, SyntheticData)
     first = [data.next_batch() for _ in range(3)]
     state = data.get_state()
     assert state == {"synthetic_step": 3}
     expected = [data.next_batch() for _ in range(2)]
-    resumed = SyntheticIterator(config, sharding)
+    resumed = SyntheticData(config, sharding)
     resumed.set_state(json.loads(json.dumps(state)))
     for want in expected:
         got = resumed.next_batch()

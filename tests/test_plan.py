@@ -18,7 +18,6 @@ from conftest import builder_for
 from jaxpar import dry_run as dr
 from jaxpar.config import (Config, MeshConfig, ModelConfig, PipelineConfig, RematConfig, TrainConfig, ZeroConfig,
                            load_config, validate)
-from jaxpar.errors import ConfigError
 from jaxpar.planner import cost, hardware, memory, recommend
 
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_kv_heads=8, d_ff=256)

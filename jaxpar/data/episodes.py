@@ -22,20 +22,17 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import threading
 import zipfile
 
 import numpy as np
 
+from jaxpar.data import NPY_LOCK
 from jaxpar.errors import ConfigError
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 210, 40),
            "magenta": (200, 50, 200), "cyan": (40, 200, 210)}
 TABLE, EFFECTOR = (110, 110, 110), (255, 255, 255)
 DONE_MARKER = "COMPLETE"  # written last by write_split: a directory without it is a partial generation
-# np.load parses .npy headers with ast.literal_eval, which CPython 3.11 cannot run in two threads at
-# once ("AST constructor recursion depth mismatch"); grain reads with several threads.
-NPY_LOCK = threading.Lock()
 CACHE_EPISODES = 16384  # decompressed episodes kept per source (the demo task: 4000, 12 MB)
 
 

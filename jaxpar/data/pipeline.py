@@ -175,29 +175,8 @@ class EvalData:
         return getattr(self.source, "meta", {}).get("unigram_bits_per_byte")
 
 
-class SyntheticIterator:
-    """The synthetic data (jaxpar.data.synthetic) behind the same interface; its state is the step."""
-
-    def __init__(self, config: Config, sharding):
-        self.data, self.step = SyntheticData(config, sharding), 0
-
-    def next_batch(self) -> dict:
-        batch = self.data.batch(self.step)
-        self.step += 1
-        return batch
-
-    def get_state(self) -> dict:
-        return {"synthetic_step": self.step}
-
-    def set_state(self, state: dict) -> None:
-        if "synthetic_step" not in state:
-            raise ConfigError("the checkpoint was written with data.train set (grain data); resume with the "
-                              "original data.train or use a fresh --workdir")
-        self.step = state["synthetic_step"]
-
-
 def train_data(config: Config, sharding):
-    return GrainData(config, sharding) if config.data.train else SyntheticIterator(config, sharding)
+    return GrainData(config, sharding) if config.data.train else SyntheticData(config, sharding)
 
 
 def eval_data(config: Config, sharding) -> EvalData | None:

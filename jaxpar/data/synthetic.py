@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxpar.errors import ConfigError
+
 MAX_STRIDE = 8
 
 
@@ -31,10 +33,11 @@ def synthetic_batch(seed: int, step: int, batch_size: int, seq_len: int, vocab_s
 
 class SyntheticData:
     """Yields global batches placed in the mesh's batch layout. Every process builds the (small,
-    synthetic) global batch on the host and hands JAX only the rows its devices hold."""
+    synthetic) global batch on the host and hands JAX only the rows its devices hold. Same interface
+    as jaxpar.data.pipeline.GrainData; the state is the next step's index."""
 
     def __init__(self, config, sharding):
-        self.config, self.sharding = config, sharding
+        self.config, self.sharding, self.step = config, sharding, 0
 
     def host_batch(self, step: int) -> dict:
         train, model = self.config.train, self.config.model
@@ -47,3 +50,17 @@ class SyntheticData:
     def batch(self, step: int) -> dict:
         return {k: jax.make_array_from_callback(v.shape, self.sharding, lambda idx, v=v: v[idx])
                 for k, v in self.host_batch(step).items()}
+
+    def next_batch(self) -> dict:
+        batch = self.batch(self.step)
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"synthetic_step": self.step}
+
+    def set_state(self, state: dict) -> None:
+        if "synthetic_step" not in state:
+            raise ConfigError("the checkpoint was written with data.train set (grain data); resume with the "
+                              "original data.train or use a fresh --workdir")
+        self.step = state["synthetic_step"]

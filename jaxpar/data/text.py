@@ -19,6 +19,7 @@ import pathlib
 
 import numpy as np
 
+from jaxpar.data import NPY_LOCK
 from jaxpar.errors import ConfigError
 
 BYTE_EOS, BYTE_PAD, BYTE_VOCAB = 256, 257, 258
@@ -203,8 +204,6 @@ class TokenSource:
 
     def __getitem__(self, record: int) -> np.ndarray:
         if self._shards is None:  # opened lazily: grain workers map the files themselves
-            from jaxpar.data.episodes import NPY_LOCK
-
             with NPY_LOCK:
                 self._shards = self._shards or load_shards(self.directory)
         shard = int(np.searchsorted(self.starts, record, side="right")) - 1

@@ -9,17 +9,18 @@ into metrics, so batches of any mask count weigh correctly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.layers.collectives import Collectives
 from jaxpar.models import llama, vla
 from jaxpar.parallel import schedule as pipeline_schedule
 from jaxpar.parallel.pipeline import Pipeline
-from jaxpar.sharding import DP, tensor_axes
+from jaxpar.parallel.step import VISION_KEYS
+from jaxpar.sharding import DP
 
 SUM_KEYS = {"llama": ("loss", "tokens", "correct"),
             "vla": ("loss", "tokens", "correct", "action_tokens", "action_correct", "action_abs_err",
@@ -29,8 +30,8 @@ SUM_KEYS = {"llama": ("loss", "tokens", "correct"),
 class Evaluator:
     def __init__(self, builder):
         self.builder, self.config, self.mesh = builder, builder.config, builder.mesh
-        self.coll = Collectives(tp_axis=tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None,
-                                zero3_axis=DP if builder.gathers_weights else None)
+        # the training collectives without ZeRO-2's grad taps (there is no backward here)
+        self.coll = dataclasses.replace(builder.collectives(), zero2_axis=None)
         self.keys = SUM_KEYS[self.config.model.kind]
 
     def _head_sums(self, head, x_BxSxD, batch):
@@ -51,8 +52,8 @@ class Evaluator:
         b = self.builder
         image_tokens = None
         if b.vision is not None:
-            image_tokens, _ = b.vision.forward({k: params[k] for k in ("vit", "projector")}, batch["images"])
-        llm = {k: v for k, v in params.items() if k not in ("vit", "projector")}
+            image_tokens, _ = b.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"])
+        llm = {k: v for k, v in params.items() if k not in VISION_KEYS}
         if b.dp_axis and not b.gathers_weights:  # typed as in training (see StepBuilder)
             llm = jax.lax.pcast(llm, (DP,), to="varying")
         text = {k: v for k, v in batch.items() if k != "images"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from jaxpar.config import Config, MeshConfig, OffloadConfig, PipelineConfig, RematConfig, TrainConfig, ZeroConfig, validate
+from jaxpar.config import Config, MeshConfig, OffloadConfig, PipelineConfig, RematConfig, ZeroConfig, validate
 from jaxpar.errors import ConfigError
 from jaxpar.planner import cost, memory
 from jaxpar.planner.hardware import GB, Hardware
