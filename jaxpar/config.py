@@ -107,6 +107,7 @@ class VisionConfig:
     n_heads: int = 4
     mlp_dim: int = 256
     projector_dim: int = 128
+    pos_init: str = "sincos2d"  # the trained position embedding starts as 2-D sin-cos, or "normal" (random)
     tp: int = 1  # a divisor of mesh.tp: the encoder's tensor-parallel group (1: pure data parallel)
     zero: ZeroConfig = ZeroConfig()  # 0-2, over all devices not used by the vision tp
     remat: RematConfig = RematConfig()
@@ -419,6 +420,7 @@ def _validate_vla(config: Config) -> None:
                                            f"pipeline.microbatches instead, or use train.grad_accum=1")
     _require(vis.zero.stage in (0, 1, 2), f"vision.zero.stage={vis.zero.stage}: the vision encoder supports "
                                           f"ZeRO 0, 1 or 2")
+    _validate_vla_inits(config)
     _require(vis.remat.policy in REMAT_POLICIES, f"vision.remat.policy='{vis.remat.policy}' is unknown; "
                                                  f"use one of {', '.join(REMAT_POLICIES)}")
     text_vocab = model.vocab_size - act.bins
@@ -437,6 +439,18 @@ def _validate_vla(config: Config) -> None:
         _require(vis.width % data_ways == 0 and model.d_model % data_ways == 0,
                  f"vision.zero.stage={vis.zero.stage} shards the vision weights over {data_ways} devices, which "
                  f"must divide vision.width={vis.width} and model.d_model={model.d_model}")
+
+
+def _validate_vla_inits(config: Config) -> None:
+    vis, model = config.vision, config.model
+    _require(vis.pos_init in ("sincos2d", "normal"),
+             f"vision.pos_init='{vis.pos_init}' is unknown; use sincos2d or normal")
+    _require(vis.pos_init != "sincos2d" or vis.width % 4 == 0,
+             f"vision.pos_init=sincos2d needs vision.width divisible by 4 (got {vis.width}); "
+             f"pick such a width or vision.pos_init=normal")
+    _require(not (model.text_loss and model.prefix_lm),
+             "model.text_loss=true with model.prefix_lm=true: the bidirectional prefix lets each instruction "
+             "token see the one it predicts; set model.prefix_lm=false to train on the instruction")
 
 
 def _validate_pipeline(config: Config) -> None:

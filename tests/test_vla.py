@@ -41,7 +41,7 @@ def test_loss_mask_covers_exactly_the_action_tokens():
     np.testing.assert_array_equal(batch["mask"], is_action.astype(np.float32))
     assert batch["mask"].sum(axis=1).tolist() == [BASE.actions.dims] * 4
     assert (batch["mask"][:, : prefix - 1] == 0).all()  # nothing in the image + instruction prefix
-    with_text = vla.synthetic_batch(with_values(BASE, model=dict(text_loss=True)), 0, 4)
+    with_text = vla.synthetic_batch(with_values(BASE, model=dict(text_loss=True, prefix_lm=False)), 0, 4)
     assert with_text["mask"].sum(axis=1).tolist() == [BASE.actions.dims + BASE.actions.instruction_len] * 4
 
 
@@ -58,6 +58,21 @@ def test_several_cameras_concatenate_their_patch_tokens():
 
 def single_device_params(config):
     return jax.device_get(builder(dataclasses.replace(config, mesh=MeshConfig())).init_state(0).params)
+
+
+def test_sincos_position_init_codes_row_and_column_separately():
+    import jax.numpy as jnp
+    code = np.asarray(vit.sincos_2d(4, 16))  # patch i is at row i // 4, column i % 4
+    rows, cols = code[:, :8], code[:, 8:]
+    np.testing.assert_allclose(rows[0:4], np.broadcast_to(rows[0], (4, 8)))  # one row, one row code
+    np.testing.assert_allclose(cols[0::4], np.broadcast_to(cols[0], (4, 8)))  # one column, one column code
+    assert len({tuple(r.round(6)) for r in rows}) == 4 and len({tuple(c.round(6)) for c in cols}) == 4
+    np.testing.assert_allclose(code[5, [0, 4]], [np.sin(1.0), np.cos(1.0)], rtol=1e-6)  # row 1, top frequency
+    params = vit.init(BASE.vision, BASE.model.d_model, jax.random.key(0))
+    grid = BASE.vision.image_size // BASE.vision.patch_size
+    np.testing.assert_array_equal(params["vit"]["pos_embed"], vit.sincos_2d(grid, BASE.vision.width))
+    random = vit.init(with_values(BASE, vision=dict(pos_init="normal")).vision, BASE.model.d_model, jax.random.key(0))
+    assert float(jnp.abs(random["vit"]["pos_embed"] - params["vit"]["pos_embed"]).max()) > 0.5
 
 
 def test_prefix_lm_lets_the_prefix_see_ahead_but_keeps_actions_causal():
@@ -150,6 +165,9 @@ VLA_MISTAKES = {
     "vision zero 3": (dict(vision=dict(zero=ZeroConfig(stage=3))), "vision.zero.stage=3"),
     "grad accum": (dict(mesh=dict(pp=1, dp=4), pipeline=dict(microbatches=1), train=dict(grad_accum=2)),
                    "train.grad_accum=2: a VLA encodes the whole batch once"),
+    "pos init": (dict(vision=dict(pos_init="rope")), "vision.pos_init='rope' is unknown"),
+    "sincos width": (dict(vision=dict(width=66, n_heads=3, tp=1)), "vision.pos_init=sincos2d needs vision.width"),
+    "text loss in prefix": (dict(model=dict(text_loss=True)), "set model.prefix_lm=false"),
 }
 
 
