@@ -158,6 +158,17 @@ def _episode_length(path: pathlib.Path, reference: dict | None) -> tuple[int, di
     return images[0], shapes
 
 
+def instruction_bytes(instruction: str, length: int, where: pathlib.Path | str) -> np.ndarray:
+    """The instruction as UTF-8 bytes, 0-padded to `length`; too long is an error naming `where`."""
+    text = instruction.encode()
+    if len(text) > length:
+        raise ConfigError(f"{where}: instruction '{instruction}' is {len(text)} bytes, longer than "
+                          f"actions.instruction_len={length}; raise actions.instruction_len")
+    ids = np.zeros(length, np.uint8)
+    ids[:len(text)] = np.frombuffer(text, np.uint8)
+    return ids
+
+
 class EpisodeSource:
     """grain random-access source: record i is step i of the concatenated episodes, as
     {"images" uint8 [cameras, H, W, 3], "instruction" uint8 [instruction_len] (UTF-8, 0-padded),
@@ -185,13 +196,7 @@ class EpisodeSource:
         if data is None:
             with np.load(path) as data:
                 return self.instruction_ids(index, data)
-        text = str(data["instruction"]).encode()
-        if len(text) > self.instruction_len:
-            raise ConfigError(f"{path}: instruction '{text.decode()}' is {len(text)} bytes, longer than "
-                              f"actions.instruction_len={self.instruction_len}; raise actions.instruction_len")
-        ids = np.zeros(self.instruction_len, np.uint8)
-        ids[:len(text)] = np.frombuffer(text, np.uint8)
-        return ids
+        return instruction_bytes(str(data["instruction"]), self.instruction_len, path)
 
     def episode(self, index: int) -> dict:
         """Episode `index`, decompressed once and kept (up to CACHE_EPISODES per source)."""
