@@ -3,6 +3,8 @@
 
 Default mesh (dp, pp, tp) = (2, 2, 2) with a 1F1B pipeline; the vision encoder runs data-parallel
 over all 8 devices (vision.tp = 1). Try --config.vision.tp=2 for a tensor-parallel encoder. The
+encoder is FiLM-conditioned on the instruction (vision.film, as RT-1): without it the small model
+reads which square is named far too slowly (docs/vla_tiny.md). The
 episodes are generated into data/vla_tiny/ on first use (data.generate); instructions are UTF-8
 bytes (text ids 0-255), actions the last 256 ids.
 
@@ -24,7 +26,7 @@ def get_config():
     c.model = dict(kind="vla", vocab_size=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4, d_ff=256,
                    prefix_lm=True, init_std=0.1)
     c.vision = dict(image_size=16, patch_size=4, channels=3, cameras=1, width=64, depth=2, n_heads=4,
-                    mlp_dim=128, projector_dim=128, tp=1, zero=dict(stage=2))
+                    mlp_dim=128, projector_dim=128, film=True, tp=1, zero=dict(stage=2))
     c.actions = dict(dims=7, bins=256, instruction_len=32)
     c.data = dict(train="data/vla_tiny/train", eval="data/vla_tiny/heldout", generate=True)
     c.eval = dict(every=250)

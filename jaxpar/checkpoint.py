@@ -19,6 +19,8 @@ import orbax.checkpoint as ocp
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 
+VISION_FREE = ("tp", "zero", "remat", "pos_init")  # the encoder's layout and init: free to differ on resume
+
 
 def _model_fingerprint(config: Config) -> dict:
     """What must match for a checkpoint to restore: the model's shapes and the state's structure
@@ -27,8 +29,26 @@ def _model_fingerprint(config: Config) -> dict:
     out = {"model": dataclasses.asdict(config.model),
            "state": {"precision": config.precision, "clipping": config.train.grad_clip > 0}}
     if config.model.kind == "vla":
-        out["vision"] = {k: v for k, v in dataclasses.asdict(config.vision).items() if k not in ("tp", "zero", "remat")}
+        out["vision"] = {k: v for k, v in dataclasses.asdict(config.vision).items() if k not in VISION_FREE}
     return out
+
+
+def fingerprint_mismatch(saved: dict, config: Config) -> str | None:
+    """The first fingerprint entry in which a checkpoint's metadata differs from `config`, or None.
+
+    A field added to the config after the checkpoint was written is absent from its metadata and
+    counts as its default, which is the behaviour before the field existed (e.g. vision.film=false)."""
+    for key, value in _model_fingerprint(config).items():
+        section = getattr(config, key, None)
+        defaults = {f.name: f.default for f in dataclasses.fields(section)
+                    if f.default is not dataclasses.MISSING} if dataclasses.is_dataclass(section) else {}
+        old = saved.get(key)
+        if isinstance(old, dict):
+            old = {**{k: defaults[k] for k in value if k in defaults and k not in old}, **old}
+            old = {k: v for k, v in old.items() if k in value or k not in VISION_FREE}
+        if old != value:
+            return f"{key} ({saved.get(key)}, now {value})"
+    return None
 
 
 class Checkpointer:
@@ -65,11 +85,10 @@ class Checkpointer:
         latest complete checkpoint (or `step`)."""
         step = self.latest_step() if step is None else step
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        expected = _model_fingerprint(self.config)
-        for key, value in expected.items():
-            if meta.get(key) != value:
-                raise ConfigError(f"checkpoint {self.directory / str(step)} was written for a different {key} "
-                                  f"({meta.get(key)}, now {value}); use a fresh --workdir or the original settings")
+        mismatch = fingerprint_mismatch(meta, self.config)
+        if mismatch:
+            raise ConfigError(f"checkpoint {self.directory / str(step)} was written for a different {mismatch}; "
+                              f"use a fresh --workdir or the original settings")
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         return restored["state"], step, meta.get("data")
 

@@ -108,6 +108,7 @@ class VisionConfig:
     mlp_dim: int = 256
     projector_dim: int = 128
     pos_init: str = "sincos2d"  # the trained position embedding starts as 2-D sin-cos, or "normal" (random)
+    film: bool = False  # condition every block on the instruction (FiLM, as RT-1); see jaxpar.models.vit
     tp: int = 1  # a divisor of mesh.tp: the encoder's tensor-parallel group (1: pure data parallel)
     zero: ZeroConfig = ZeroConfig()  # 0-2, over all devices not used by the vision tp
     remat: RematConfig = RematConfig()

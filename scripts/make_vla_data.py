@@ -1,6 +1,6 @@
 """Generate the procedural manipulation task (jaxpar.data.episodes) as train and held-out splits.
 
-    python scripts/make_vla_data.py data/vla_tiny --episodes 4000 --heldout 100 --image_size 16 --grid 4
+    python scripts/make_vla_data.py data/vla_tiny --episodes 4000 --heldout 500 --image_size 16 --grid 4
 
 The held-out split uses another seed and skips every scene of the train split. configs/vla_tiny.py
 generates the same data itself on first use (data.generate=true).
@@ -18,7 +18,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=pathlib.Path)
     parser.add_argument("--episodes", type=int, default=4000)
-    parser.add_argument("--heldout", type=int, default=100)
+    parser.add_argument("--heldout", type=int, default=500)
     parser.add_argument("--image_size", type=int, default=16)
     parser.add_argument("--grid", type=int, default=4, help="cells per side; image_size / grid = the ViT patch")
     parser.add_argument("--steps", type=int, default=8, help="at most; an episode ends on the square")

@@ -24,7 +24,7 @@ from jaxpar.data.episodes import instruction_bytes, make_episode, make_scene, sc
 from jaxpar.data.pipeline import episode_batch
 from jaxpar.layers.collectives import Collectives
 from jaxpar.mesh import Layout
-from jaxpar.models import llama, vit, vla
+from jaxpar.models import llama, vla
 from jaxpar.optim import make_optimizer
 from jaxpar.parallel.step import StepBuilder
 
@@ -83,8 +83,7 @@ def main() -> None:
 
     @jax.jit
     def predictions(p, batch):
-        x = vla.llm_inputs(p, vit.encode(p, batch["images"], config.vision, Collectives()), batch["inputs"],
-                           Collectives())
+        x = vla.llm_inputs(p, vla.encode_images(p, batch, config), batch["inputs"], Collectives())
         x = llama.run_layers(x, p["layers"], config.model, Collectives(), prefix_len=vla.prefix_len(config))
         return jnp.argmax(llama.head_logits(p, x, config.model, Collectives()), -1)
 

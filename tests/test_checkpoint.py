@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import builder_for, make_config
-from jaxpar.config import CheckpointConfig, DebugConfig, PipelineConfig
+from jaxpar.checkpoint import _model_fingerprint, fingerprint_mismatch
+from jaxpar.config import CheckpointConfig, DebugConfig, PipelineConfig, load_config
 from jaxpar.errors import ConfigError
 from jaxpar.loop import TrainingStopped, train
 
@@ -62,6 +63,17 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
         config.train, steps=4))
     with pytest.raises(ConfigError, match="different model.*fresh --workdir"):
         train(other, builder_for(other).mesh, tmp_path, show_progress=False)
+
+
+def test_a_checkpoint_from_before_a_new_field_restores_when_the_field_keeps_its_default():
+    vla = load_config("vla_tiny", ["vision.film=false"])
+    meta = json.loads(json.dumps(_model_fingerprint(vla)))  # as saved
+    del meta["vision"]["film"]  # written before vision.film existed
+    meta["vision"]["pos_init"] = "normal"  # init only: free to differ, as the layout
+    assert fingerprint_mismatch(meta, vla) is None
+    assert fingerprint_mismatch(meta, load_config("vla_tiny")).startswith("vision (")  # film on: new weights
+    meta["vision"]["width"] = 32
+    assert "vision" in fingerprint_mismatch(meta, vla)
 
 
 def test_nan_step_is_skipped_and_counted(tmp_path):

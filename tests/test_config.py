@@ -29,7 +29,7 @@ OTHER_KEYS = {
     "model.kind": str, "model.prefix_lm": bool, "model.text_loss": bool,
     "vision.image_size": int, "vision.patch_size": int, "vision.channels": int, "vision.cameras": int,
     "vision.width": int, "vision.depth": int, "vision.n_heads": int, "vision.mlp_dim": int,
-    "vision.projector_dim": int, "vision.pos_init": str, "vision.tp": int, "vision.zero.stage": int, "vision.remat.policy": str,
+    "vision.projector_dim": int, "vision.pos_init": str, "vision.film": bool, "vision.tp": int, "vision.zero.stage": int, "vision.remat.policy": str,
     "actions.dims": int, "actions.bins": int, "actions.low": float, "actions.high": float,
     "actions.instruction_len": int, "checkpoint.every": int, "checkpoint.keep": int, "debug.nan_at_step": int,
     "train.on_nan": str, "data.train": str, "data.eval": str, "data.generate": bool, "data.workers": int,

@@ -14,7 +14,7 @@ from jaxpar.data.episodes import EpisodeSource, write_split
 from jaxpar.data.pipeline import episode_batch
 from jaxpar.layers import vocab_parallel
 from jaxpar.layers.collectives import Collectives
-from jaxpar.models import llama, vit, vla
+from jaxpar.models import llama, vla
 from jaxpar.parallel.evaluate import Evaluator, metrics_from_sums
 
 
@@ -120,7 +120,7 @@ def test_vla_eval_on_any_layout_equals_the_single_device_model(layout, tmp_path)
 def reference_vla_sums(config, params, batch, actions):
     """From vla.loss_sum and the single-device logits: decode the argmax action bins in numpy."""
     loss, tokens = vla.loss_sum(params, batch, config)
-    image_tokens = vit.encode(params, batch["images"], config.vision, Collectives())
+    image_tokens = vla.encode_images(params, batch, config)
     x = vla.llm_inputs(params, image_tokens, batch["inputs"], Collectives())
     x = llama.run_layers(x, params["layers"], config.model, Collectives(), prefix_len=vla.prefix_len(config))
     pred = np.asarray(llama.head_logits(params, x, config.model, Collectives())).argmax(-1)

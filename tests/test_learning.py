@@ -22,16 +22,16 @@ def train(config: str, cwd: pathlib.Path) -> tuple[list[dict], float]:
     return [r for r in map(json.loads, lines) if "eval_loss" in r], time.monotonic() - start
 
 
-def test_vla_tiny_reads_the_image_within_10_minutes(tmp_path):
-    """The issue-7 target (0.9 action-token accuracy) is not reached yet (0.897; BENCHMARKS.md). What
-    every run shows: the held-out loss falls well below the first evaluation's, whose accuracy is the
-    image-blind baseline's, and the two move dims (the only ones that need the image) rise above it."""
+def test_vla_tiny_reaches_the_target_within_10_minutes(tmp_path):
+    """The issue-7 target: held-out action-token accuracy >= 0.9 in under 10 minutes (runs end at
+    ~0.99; BENCHMARKS.md). That score counts four always-zero dims and the gripper, so the image-blind
+    baseline is already 0.87: the two move dims, the only ones that need the image, must also be read
+    (blind: 0.53 / 0.56)."""
     evals, seconds = train("vla_tiny.py", tmp_path)
-    first, last = evals[0], evals[-1]
+    last = evals[-1]
     assert seconds < 600
-    assert last["eval_loss"] < 0.8 * first["eval_loss"], (first, last)
-    moves = lambda record: sum(record["eval_action_accuracy_by_dim"][:2]) / 2  # noqa: E731
-    assert moves(last) > moves(first) + 0.04, (first, last)
+    assert last["eval_action_accuracy"] >= 0.9, last
+    assert min(last["eval_action_accuracy_by_dim"][:2]) >= 0.8, last
 
 
 def test_llama_tiny_beats_the_unigram_baseline_on_held_out_files(tmp_path):

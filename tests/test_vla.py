@@ -50,7 +50,7 @@ def test_several_cameras_concatenate_their_patch_tokens():
     params = single_device_params(config)
     batch = vla.synthetic_batch(config, 0, 2)
     assert batch["images"].shape == (2, 2, 16, 16, 3)
-    tokens = vit.encode(params, batch["images"], config.vision, vla.Collectives())
+    tokens = vla.encode_images(params, batch, config)
     assert tokens.shape == (2, 2 * 16, config.model.d_model)
     loss, count = vla.loss_sum(params, batch, config)
     assert np.isfinite(float(loss)) and float(count) == 2 * config.actions.dims
@@ -74,11 +74,29 @@ def test_sincos_position_init_codes_row_and_column_separately():
     assert np.abs(np.asarray(random["vit"]["pos_embed"]) - np.asarray(params["vit"]["pos_embed"])).max() > 0.5
 
 
+@pytest.mark.parametrize("film", [True, False])
+def test_film_makes_the_image_tokens_depend_on_the_instruction_bytes_only(film):
+    config = with_values(BASE, mesh=dict(dp=1, pp=1, tp=1), pipeline=dict(microbatches=1), vision=dict(film=film))
+    params = single_device_params(config)
+    assert ("film_embed" in params["vit"]) == film
+    batch = vla.synthetic_batch(config, 0, 2)
+    batch["inputs"][:, :8] = np.frombuffer(b"move to ", np.uint8)
+    batch["inputs"][:, 8:config.actions.instruction_len] = 0  # padding
+    tokens = np.asarray(vla.encode_images(params, batch, config))
+    renamed = {**batch, "inputs": batch["inputs"].copy()}
+    renamed["inputs"][:, 3] = ord("x")  # another instruction
+    actions_only = {**batch, "inputs": batch["inputs"].copy()}
+    actions_only["inputs"][:, config.actions.instruction_len:] += 1  # after the instruction
+    np.testing.assert_array_equal(vla.encode_images(params, actions_only, config), tokens)
+    change = np.abs(np.asarray(vla.encode_images(params, renamed, config)) - tokens).max()
+    assert change > 1e-3 if film else change == 0.0
+
+
 def test_prefix_lm_lets_the_prefix_see_ahead_but_keeps_actions_causal():
     config = with_values(BASE, mesh=dict(dp=1, pp=1, tp=1), pipeline=dict(microbatches=1))
     params = single_device_params(config)
     batch = vla.synthetic_batch(config, 0, 2)
-    image_tokens = vit.encode(params, batch["images"], config.vision, vla.Collectives())
+    image_tokens = vla.encode_images(params, batch, config)
 
     def hidden(cfg, inputs):
         x = vla.llm_inputs(params, image_tokens, inputs, vla.Collectives())

@@ -19,7 +19,7 @@ from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 
 STDLIB_SKIP = ("site-packages", "test", "tests")
-VLA_EPISODES = {"train": 4000, "heldout": 100}
+VLA_EPISODES = {"train": 4000, "heldout": 500}
 WAIT_S = 600
 
 

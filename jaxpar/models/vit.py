@@ -4,6 +4,9 @@ ViT: non-overlapping patches -> linear patch embedding + learned position embedd
 to 2-D sin-cos by default, see `sincos_2d`), pre-LayerNorm
 transformer blocks with bidirectional multi-head attention and a GELU MLP, final LayerNorm. With
 several cameras each image is encoded separately and the patch tokens are concatenated.
+Optional FiLM conditioning on the instruction (RT-1's FiLM-EfficientNet; `vision.film`): the
+instruction bytes' mean embedding gives a per-block scale and shift of every patch token, so a patch
+can mark itself as "the thing named" inside the encoder (see `film_params`).
 Projector: a 2-layer GELU MLP into the LLM width (LLaVA / OpenVLA). Tensor parallel in the Megatron
 layout over the vision tp axis, through the same `Collectives` hooks as the LLM, and with the same
 checkpoint_name tags, so the remat policies of jaxpar.parallel.remat mean the same for the encoder.
@@ -32,6 +35,8 @@ BLOCK_AXES = {
 STEM_AXES = {"patch_embed": ("patch", "vit_embed"), "pos_embed": ("patches", "vit_embed"),
              "final_scale": ("vit_embed",), "final_bias": ("vit_embed",)}
 PROJECTOR_AXES = {"w1": ("vit_embed", "proj_mlp"), "w2": ("proj_mlp", "embed")}
+FILM_AXES = {"film_embed": ("bytes", "vit_embed"), "film_proj": ("vit_embed", "vit_layers", "film_out")}
+INSTRUCTION_VOCAB = 256  # instructions are UTF-8 bytes (jaxpar.data.episodes.instruction_bytes); 0 pads
 
 
 def patches_per_image(cfg: VisionConfig) -> int:
@@ -42,8 +47,9 @@ def image_tokens(cfg: VisionConfig) -> int:
     return cfg.cameras * patches_per_image(cfg)
 
 
-def param_axes() -> dict:
-    return {"vit": {**STEM_AXES, "blocks": {k: ("vit_layers",) + v for k, v in BLOCK_AXES.items()}},
+def param_axes(cfg: VisionConfig) -> dict:
+    stem = {**STEM_AXES, **(FILM_AXES if cfg.film else {})}
+    return {"vit": {**stem, "blocks": {k: ("vit_layers",) + v for k, v in BLOCK_AXES.items()}},
             "projector": PROJECTOR_AXES}
 
 
@@ -54,6 +60,8 @@ def param_shapes(cfg: VisionConfig, llm_width: int) -> dict:
              "wo": (n, h, d), "ln2_scale": (d,), "ln2_bias": (d,), "w_in": (d, f), "w_out": (f, d)}
     stem = {"patch_embed": (cfg.patch_size ** 2 * cfg.channels, d), "pos_embed": (patches_per_image(cfg), d),
             "final_scale": (d,), "final_bias": (d,)}
+    if cfg.film:  # a scale and a shift of the d channels after each block
+        stem.update(film_embed=(INSTRUCTION_VOCAB, d), film_proj=(d, cfg.depth, 2 * d))
     return {"vit": {**stem, "blocks": {k: (cfg.depth,) + s for k, s in block.items()}},
             "projector": {"w1": (d, cfg.projector_dim), "w2": (cfg.projector_dim, llm_width)}}
 
@@ -95,6 +103,9 @@ def init(cfg: VisionConfig, llm_width: int, key: jax.Array) -> dict:
         if "bias" in name:
             leaves.append(jnp.zeros(shape, jnp.float32))
             continue
+        if leaf == "film_embed":  # an embedding table: unit entries (only its direction matters, see film_params)
+            leaves.append(jax.random.normal(jax.random.fold_in(key, 1000 + index), shape, jnp.float32))
+            continue
         if leaf == "pos_embed" and cfg.pos_init == "sincos2d":
             leaves.append(sincos_2d(cfg.image_size // cfg.patch_size, cfg.width))
             continue
@@ -103,6 +114,23 @@ def init(cfg: VisionConfig, llm_width: int, key: jax.Array) -> dict:
         std = 1.0 / math.sqrt(fan_in)
         leaves.append(std * jax.random.normal(jax.random.fold_in(key, 1000 + index), shape, jnp.float32))
     return jax.tree.unflatten(treedef, leaves)
+
+
+def film_params(stem: dict, instruction_BxT: jax.Array, depth: int) -> jax.Array:
+    """[depth, B, 2, D] per-block (scale - 1, shift) of the patch tokens from the instruction bytes.
+
+    The non-pad bytes' embeddings are averaged and standardised, then projected. Why: with the colour
+    named only in the instruction, the LLM must compose two attention hops (instruction -> colour ->
+    the patch of that colour), which a small model learns slowly; FiLM makes the match a per-patch,
+    multiplicative feature inside the encoder, so the LLM needs one hop (docs/vla_tiny.md)."""
+    real = (instruction_BxT > 0).astype(jnp.float32)
+    emb_BxTxD = stem["film_embed"][instruction_BxT].astype(jnp.float32)
+    mean_BxD = jnp.einsum("btd,bt->bd", emb_BxTxD, real) / jnp.maximum(real.sum(1, keepdims=True), 1.0)
+    mean_BxD = mean_BxD - mean_BxD.mean(-1, keepdims=True)
+    mean_BxD = mean_BxD * jax.lax.rsqrt(jnp.mean(jnp.square(mean_BxD), -1, keepdims=True) + 1e-6)
+    film_BxLxF = jnp.einsum("bd,dlf->blf", mean_BxD.astype(stem["film_proj"].dtype), stem["film_proj"])
+    b, d = film_BxLxF.shape[0], film_BxLxF.shape[-1] // 2
+    return film_BxLxF.reshape(b, depth, 2, d).transpose(1, 0, 2, 3)
 
 
 def param_count(cfg: VisionConfig, llm_width: int) -> int:
@@ -129,21 +157,33 @@ def vit_block(x_BxNxD: jax.Array, p: dict, coll: Collectives) -> jax.Array:
 
 
 def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll: Collectives,
-           remat_policy: Callable | None = None) -> jax.Array:
-    """Images -> projected image tokens [B, cameras x patches, llm_width] in the params' dtype."""
+           remat_policy: Callable | None = None, instruction_BxT: jax.Array | None = None) -> jax.Array:
+    """Images (and, with cfg.film, the instruction bytes) -> projected image tokens
+    [B, cameras x patches, llm_width] in the params' dtype."""
     vit = params["vit"]
     b, cams = images_BxCamxHxWxC.shape[:2]
-    stem = coll.gather_weights({k: vit[k] for k in STEM_AXES}, STEM_AXES)
+    stem_axes = {k: v for k, v in param_axes(cfg)["vit"].items() if k != "blocks"}  # (FiLM's too)
+    stem = coll.gather_weights({k: vit[k] for k in stem_axes}, stem_axes)
     dtype = stem["patch_embed"].dtype
     images = images_BxCamxHxWxC.reshape(b * cams, *images_BxCamxHxWxC.shape[2:]).astype(dtype)
     x = patchify(images, cfg.patch_size) @ stem["patch_embed"] + stem["pos_embed"][None]
+    if cfg.film:
+        if instruction_BxT is None:
+            raise ValueError("vision.film conditions the encoder on the instruction: pass instruction_BxT")
+        film_LxBx2xD = jnp.repeat(film_params(stem, instruction_BxT, cfg.depth), cams, axis=1).astype(dtype)
+    else:
+        film_LxBx2xD = jnp.zeros((cfg.depth, 0), dtype)  # nothing to scan over but the blocks
 
-    def body(carry, block):
-        return vit_block(carry, block, coll), None
+    def body(carry, block_and_film):
+        block, film = block_and_film
+        carry = vit_block(carry, block, coll)
+        if cfg.film:
+            carry = carry * (1 + film[:, 0, None]) + film[:, 1, None]
+        return carry, None
 
     if remat_policy is not None:
         body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, vit["blocks"])
+    x, _ = jax.lax.scan(body, x, (vit["blocks"], film_LxBx2xD))
     x = layer_norm(x, stem["final_scale"], stem["final_bias"])
     proj = coll.gather_weights(params["projector"], PROJECTOR_AXES)
     tokens = jax.nn.gelu(x @ proj["w1"]) @ proj["w2"]

@@ -95,10 +95,21 @@ def synthetic_batch(config: Config, step: int, batch_size: int) -> dict:
     rng = np.random.default_rng([config.train.seed, step, 7])
     images = rng.random((batch_size, vis.cameras, vis.image_size, vis.image_size, vis.channels), np.float32)
     text_vocab = config.model.vocab_size - act.bins
-    instructions = rng.integers(0, text_vocab, (batch_size, act.instruction_len))
+    instructions = rng.integers(0, min(text_vocab, vit.INSTRUCTION_VOCAB), (batch_size, act.instruction_len))
     means = images.reshape(batch_size, -1, vis.channels).mean(axis=1)  # [B, C]
     actions = np.tanh(4.0 * (np.resize(means, (batch_size, act.dims)) - 0.5))
     return make_batch(config, images, instructions, actions)
+
+
+def instruction_ids(batch: dict, config: Config):
+    """[B, instruction_len] instruction bytes: the first LLM inputs after the image tokens."""
+    return batch["inputs"][:, :config.actions.instruction_len]
+
+
+def encode_images(params: dict, batch: dict, config: Config, coll: Collectives = Collectives(),
+                  policy=None) -> jax.Array:
+    """The batch's projected image tokens (the encoder reads the instruction too with vision.film)."""
+    return vit.encode(params, batch["images"], config.vision, coll, policy, instruction_ids(batch, config))
 
 
 def llm_inputs(params: dict, image_tokens_BxIxD: jax.Array, inputs_BxT: jax.Array, coll: Collectives) -> jax.Array:
@@ -122,5 +133,5 @@ def llm_loss_sum(params: dict, image_tokens_BxIxD: jax.Array, batch: dict, confi
 def loss_sum(params: dict, batch: dict, config: Config, llm_coll: Collectives = Collectives(),
              vision_coll: Collectives = Collectives(), llm_policy=None, vision_policy=None):
     """Single-program VLA loss (masked token sum, token count): what the parallel step must equal."""
-    image_tokens = vit.encode(params, batch["images"], config.vision, vision_coll, vision_policy)
+    image_tokens = encode_images(params, batch, config, vision_coll, vision_policy)
     return llm_loss_sum(params, image_tokens, batch, config, llm_coll, llm_policy), jnp.sum(batch["mask"])

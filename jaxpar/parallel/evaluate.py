@@ -52,7 +52,8 @@ class Evaluator:
         b = self.builder
         image_tokens = None
         if b.vision is not None:
-            image_tokens, _ = b.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"])
+            image_tokens, _ = b.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
+                                               vla.instruction_ids(batch, self.config))
         llm = {k: v for k, v in params.items() if k not in VISION_KEYS}
         if b.dp_axis and not b.gathers_weights:  # typed as in training (see StepBuilder)
             llm = jax.lax.pcast(llm, (DP,), to="varying")

@@ -185,7 +185,8 @@ class StepBuilder:
         llm_params = {k: v for k, v in params.items() if k not in VISION_KEYS}
         image_tokens = vision_vjp = None
         if self.vision is not None:
-            image_tokens, vision_vjp = self.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"])
+            image_tokens, vision_vjp = self.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
+                                                           vla.instruction_ids(batch, self.config))
         loss, grads, d_image = self._llm_loss_and_grads(llm_params, batch, image_tokens, token_count)
         grads = self._reduce_grads_over_dp(grads)
         if vision_vjp is not None:

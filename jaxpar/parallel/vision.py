@@ -33,7 +33,7 @@ class VisionComponent:
         sizes = mesh.shape
         self.config, self.cfg = config, vcfg
         self.rules = vision_rules(vcfg.tp, mesh)
-        self.axes = vit.param_axes()
+        self.axes = vit.param_axes(vcfg)
         self.specs = StateSpecs(self.axes, vcfg.zero.stage, mesh, self.rules)
         self.split_axes = tuple(a for a in self.rules.zero_mesh if a != "dp" and sizes[a] > 1)  # within a dp shard
         self.split_sizes = tuple(sizes[a] for a in self.split_axes)
@@ -53,17 +53,19 @@ class VisionComponent:
             index = index * size + jax.lax.axis_index(axis)
         return index
 
-    def forward(self, params, images):
-        """(image tokens [B_dp, I, D] for this dp shard, the same on every pp / tp rank; their vjp)."""
+    def forward(self, params, images, instruction):
+        """(image tokens [B_dp, I, D] for this dp shard, the same on every pp / tp rank; their vjp).
+        `instruction` [B_dp, T] (the bytes) is only read with vision.film."""
         ways = math.prod(self.split_sizes)
         chunk = images.shape[0] // ways
         start = self._split_index() * chunk
         mine = jax.lax.dynamic_slice_in_dim(images, start, chunk, axis=0)
+        my_instruction = jax.lax.dynamic_slice_in_dim(instruction, start, chunk, axis=0)
         if self.data_axes:  # each device's gradient is its own share; summed in reduce_grads
             params = jax.lax.pcast(params, self.data_axes, to="varying")
 
         def encode(p):
-            tokens = vit.encode(p, mine, self.cfg, self.coll, self.policy)
+            tokens = vit.encode(p, mine, self.cfg, self.coll, self.policy, my_instruction)
             if not self.split_axes:
                 return tokens
             full = jnp.zeros((images.shape[0],) + tokens.shape[1:], tokens.dtype)

@@ -57,7 +57,7 @@ def local_params(config: Config) -> dict[str, int]:
            "vision": 0}
     if config.model.kind == "vla":
         vdiv = {"vit_heads": config.vision.tp, "vit_mlp": config.vision.tp}
-        out["vision"] = _local_count(vit.param_shapes(config.vision, config.model.d_model), vit.param_axes(), vdiv)
+        out["vision"] = _local_count(vit.param_shapes(config.vision, config.model.d_model), vit.param_axes(config.vision), vdiv)
     return out
 
 
