@@ -89,8 +89,8 @@ def eval_sums(config: Config, token_loss_BxS: jax.Array, pred_BxS: jax.Array, ba
 
 
 def synthetic_batch(config: Config, step: int, batch_size: int) -> dict:
-    """Deterministic stand-in data until the episode pipeline (issue 7): random scenes, instructions
-    from the text vocabulary, and actions that are a fixed function of the image (learnable)."""
+    """Deterministic stand-in data (tests, dry runs): random scenes, instructions of random bytes (the
+    text ids FiLM can read), and actions that are a fixed function of the image (learnable)."""
     vis, act = config.vision, config.actions
     rng = np.random.default_rng([config.train.seed, step, 7])
     images = rng.random((batch_size, vis.cameras, vis.image_size, vis.image_size, vis.channels), np.float32)
