@@ -126,8 +126,7 @@ def film_params(stem: dict, instruction_BxT: jax.Array, depth: int) -> jax.Array
     real = (instruction_BxT > 0).astype(jnp.float32)
     emb_BxTxD = stem["film_embed"][instruction_BxT].astype(jnp.float32)
     mean_BxD = jnp.einsum("btd,bt->bd", emb_BxTxD, real) / jnp.maximum(real.sum(1, keepdims=True), 1.0)
-    mean_BxD = mean_BxD - mean_BxD.mean(-1, keepdims=True)
-    mean_BxD = mean_BxD * jax.lax.rsqrt(jnp.mean(jnp.square(mean_BxD), -1, keepdims=True) + 1e-6)
+    mean_BxD = layer_norm(mean_BxD, jnp.ones(()), jnp.zeros(()))  # standardised, no parameters
     film_BxLxF = jnp.einsum("bd,dlf->blf", mean_BxD.astype(stem["film_proj"].dtype), stem["film_proj"])
     b, d = film_BxLxF.shape[0], film_BxLxF.shape[-1] // 2
     return film_BxLxF.reshape(b, depth, 2, d).transpose(1, 0, 2, 3)
