@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow dry-run plan clean
+.PHONY: run test test-slow dry-run plan bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ test-slow: $(STAMP)
 plan: $(STAMP)
 	$(BIN)/python -m jaxpar.plan --config llama7b.py
 	$(BIN)/python -m jaxpar.plan --config vla70b.py --recommend --gpus 64 --gpus_per_node 8 --gpu a100-80gb
+
+## ~1B Llama (bf16, seq 2048) on the GPU(s): tokens/s, MFU, step time, peak memory per remat policy
+## (one process per variant; runs/bench_gpu/bench_gpu.{json,md}). `--smoke` runs it on CPU with a tiny model.
+bench-gpu: $(STAMP)
+	$(BIN)/python scripts/bench_gpu.py --out_dir runs/bench_gpu
 
 clean:
 	rm -rf runs .pytest_cache

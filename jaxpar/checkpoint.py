@@ -2,7 +2,8 @@
 
 A checkpoint stores global arrays (orbax writes each process's shards of the global array), so it
 restores onto any other valid (dp, pp, tp, zero.stage): the target shardings come from the new
-layout's abstract state. Next to the state it stores, as JSON, the step, the data iterator's state
+layout's abstract state; with interleaved pipeline stages the stacked layers are stored in their
+devices' order, recorded in the metadata and moved on restore. Next to the state it stores, as JSON, the step, the data iterator's state
 (jaxpar.data.pipeline: grain's position, or the synthetic data's step) and the model shape, checked
 on restore. Orbax writes each step into a temporary directory and renames it when complete, so a
 process killed mid-save leaves the previous checkpoint as the latest readable one.
@@ -14,10 +15,13 @@ import dataclasses
 import pathlib
 import time
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
+from jaxpar.parallel.pipeline import layer_order, reorder_layers
 
 VISION_FREE = ("tp", "zero", "remat", "pos_init")  # the encoder's layout and init: free to differ on resume
 
@@ -51,6 +55,23 @@ def fingerprint_mismatch(saved: dict, config: Config) -> str | None:
     return None
 
 
+def _stored_layer_order(config: Config) -> list[int] | None:
+    """The order of the stacked layers in this run's state (interleaved pipelines store them by device)."""
+    order = layer_order(config.model.n_layers, config.mesh.pp, config.pipeline.virtual_stages)
+    return None if order is None else order.tolist()
+
+
+def _to_layer_order(state, saved: list[int] | None, wanted: list[int] | None, abstract_state):
+    """A state restored in a checkpoint's layer order, moved into this run's (one jitted gather)."""
+    if saved == wanted:
+        return state
+    shardings = jax.tree.map(lambda a: a.sharding, abstract_state)
+    move = jax.jit(lambda tree: reorder_layers(tree, None if saved is None else np.asarray(saved),
+                                               None if wanted is None else np.asarray(wanted)),
+                   out_shardings=shardings, donate_argnums=0)
+    return move(state)
+
+
 class Checkpointer:
     def __init__(self, workdir: pathlib.Path, config: Config):
         self.config = config
@@ -76,7 +97,8 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict | None = None) -> None:
         """Start an asynchronous save of `state` after optimizer step `step`, with the data iterator's
         state at that point (the next batch to read); training goes on."""
-        meta = {"step": step, "data": data_state, **_model_fingerprint(self.config)}
+        meta = {"step": step, "data": data_state, "layer_order": _stored_layer_order(self.config),
+                **_model_fingerprint(self.config)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -90,7 +112,9 @@ class Checkpointer:
             raise ConfigError(f"checkpoint {self.directory / str(step)} was written for a different {mismatch}; "
                               f"use a fresh --workdir or the original settings")
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
-        return restored["state"], step, meta.get("data")
+        state = _to_layer_order(restored["state"], meta.get("layer_order"), _stored_layer_order(self.config),
+                                abstract_state)
+        return state, step, meta.get("data")
 
     def wait(self) -> None:
         """Block until every started save is durable on disk."""

@@ -83,15 +83,19 @@ class RematConfig:
 
 
 REMAT_POLICIES = ("none", "dots", "selective", "offload", "full")  # jaxpar.parallel.remat
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb")
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """Pipeline parallelism over mesh.pp: schedule `1f1b` (default) or `gpipe`, m microbatches per step."""
+    """Pipeline parallelism over mesh.pp: schedule `1f1b` (default), `gpipe` or `zb`, m microbatches per
+    step; `virtual_stages` layer chunks per device (Megatron's interleaved 1F1B); `stage_recompute`
+    re-runs each stage forward in its backward slot instead of keeping its residuals (least memory)."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
+    virtual_stages: int = 1
+    stage_recompute: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,6 +464,7 @@ def _validate_pipeline(config: Config) -> None:
              f"pipeline.schedule='{pipe.schedule}' is unknown; use one of {', '.join(PIPELINE_SCHEDULES)}")
     _require(pipe.microbatches >= 1, f"pipeline.microbatches={pipe.microbatches} must be >= 1")
     if mesh.pp == 1:
+        _require(pipe.virtual_stages == 1, f"pipeline.virtual_stages={pipe.virtual_stages} needs mesh.pp > 1")
         _require(pipe.microbatches == 1, f"pipeline.microbatches={pipe.microbatches} needs mesh.pp > 1; "
                                          f"without a pipeline use train.grad_accum for gradient accumulation")
         return
@@ -468,6 +473,28 @@ def _validate_pipeline(config: Config) -> None:
                                            f"pipeline.microbatches instead and train.grad_accum=1")
     _require(config.zero.stage <= 2, f"zero.stage=3 with mesh.pp={mesh.pp} is refused (as in DeepSpeed): "
                                      f"use zero.stage 0, 1 or 2 with pipeline parallelism")
+    _validate_virtual_stages(config)
+    _require(not (pipe.schedule == "zb" and pipe.stage_recompute),
+             "pipeline.schedule=zb keeps each chunk's residuals for its weight-gradient (W) slot; "
+             "set pipeline.stage_recompute=false or use schedule=1f1b")
+    tp_pp = mesh.pp * mesh.tp
+    _require(config.model.vocab_size % tp_pp == 0,
+             f"model.vocab_size={config.model.vocab_size} is not divisible by mesh.pp x mesh.tp = {tp_pp}: with a "
+             f"pipeline the vocabulary is split over pp x tp; pad the vocabulary to a multiple of {tp_pp}")
+
+
+def _validate_virtual_stages(config: Config) -> None:
+    pipe, mesh, layers = config.pipeline, config.mesh, config.model.n_layers
+    v, m = pipe.virtual_stages, pipe.microbatches
+    _require(v >= 1, f"pipeline.virtual_stages={v} must be >= 1")
+    per_stage = layers // mesh.pp
+    _require(per_stage % v == 0, f"pipeline.virtual_stages={v} does not divide the {per_stage} layers per stage "
+                                 f"(model.n_layers={layers} / mesh.pp={mesh.pp}); use a divisor of {per_stage}")
+    if v > 1:
+        _require(pipe.schedule == "1f1b", f"pipeline.virtual_stages={v} needs pipeline.schedule=1f1b "
+                                          f"('{pipe.schedule}' does not interleave); set virtual_stages=1")
+        _require(m % mesh.pp == 0, f"pipeline.microbatches={m} is not a multiple of mesh.pp={mesh.pp}, which "
+                                   f"interleaving (virtual_stages={v}) needs; use a multiple of {mesh.pp}")
 
 
 def pipeline_warning(config: Config) -> str | None:

@@ -2,7 +2,9 @@
 
 Reports per-device memory (state bytes exactly from shard shapes and dtypes, per memory kind;
 argument / output / temp from XLA's `compiled.memory_analysis()`), the ZeRO formula next to it, and
-the collectives of one step (jaxpar.hlo). On CPU, XLA's memory analysis does not separate host
+the collectives of one step (jaxpar.hlo), and the matmul FLOPs one device executes in the compiled
+step (jaxpar.hlo.executed_flops) next to its share of the model FLOPs that MFU uses: the gap is remat
+recompute, masked pipeline slots and replicated work. On CPU, XLA's memory analysis does not separate host
 from device memory, and XLA:CPU widens bf16 collectives to f32 in the optimised program, so the
 report also lists the collectives as jaxpar wrote them (pre-optimisation HLO), with their dtype.
 """
@@ -22,6 +24,7 @@ from jaxpar.config import Config, to_dict
 from jaxpar.models import llama, vit
 from jaxpar.metrics import model_flops_per_step
 from jaxpar.parallel.step import VISION_KEYS, StepBuilder
+from jaxpar.planner.cost import bubble_fraction
 from jaxpar.sharding import llm_rules, tree_specs, unused_mesh_axes
 
 def bytes_by_memory_kind(tree) -> dict[str, int]:
@@ -107,6 +110,8 @@ def dry_run(config: Config, mesh) -> dict:
         "temp": mem.temp_size_in_bytes,
     }
     per_device["peak"] = per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"]
+    model_flops = model_flops_per_step(config, builder.seq_len)
+    executed = hlo.executed_flops(compiled.as_text())
     return {
         "devices": mesh.size,
         "platform": mesh.devices.flat[0].platform,
@@ -119,7 +124,11 @@ def dry_run(config: Config, mesh) -> dict:
         "analytic_bytes": zero_formula_bytes(config, local_param_count(builder), mesh.shape["dp"]),  # the LLM's
         "collectives": hlo.collectives(compiled.as_text(), mesh),
         "collectives_requested": hlo.collectives(lowered.as_text(dialect="hlo"), mesh),
-        "flops_per_step": model_flops_per_step(config, builder.seq_len),
+        "flops_per_step": model_flops,
+        "model_flops_per_device": model_flops / mesh.size,
+        "executed_flops_per_device": executed["total"],
+        "executed_flops": executed,
+        "bubble_fraction": bubble_fraction(config),
         "compile_s": compile_s,
         "notes": [
             "params/opt_state: exact, from the state's shard shapes, dtypes and memory kinds",
@@ -128,6 +137,10 @@ def dry_run(config: Config, mesh) -> dict:
             "collectives: optimised program (XLA:CPU widens bf16 collectives to f32; GPUs keep bf16); "
             "collectives_requested: as written by jaxpar, before XLA optimisation (GSPMD-inserted optimizer "
             "gathers are not there yet)",
+            "model_flops_per_device: 6N + attention FLOPs of one step (jaxpar.metrics) / devices; "
+            "executed_flops_per_device: dot and convolution FLOPs of the compiled program on one device, "
+            "loops x trip count, a conditional's costliest branch (jaxpar.hlo.executed_flops)",
+            "bubble_fraction: idle share of the pipeline schedule table's executed slots (0 without pp)",
         ],
         "config": to_dict(config),
     }
@@ -151,10 +164,22 @@ def format_report(report: dict) -> str:
         "components:",
         *(f"  {name:<17} {_layout_text(c)}: params {b(c['params_bytes'])}, optimizer {b(c['opt_state_bytes'])}"
           f" (+ {b(c['opt_state_host_bytes'])} on host)" for name, c in report["components"].items()),
+        flops_text(report),
         "collectives per step (optimised program; XLA:CPU shows bf16 collectives as f32):",
         hlo.summarize(report["collectives"]),
     ]
     return "\n".join(lines)
+
+
+def flops_text(report: dict) -> str:
+    """One line: executed vs model FLOPs per device, and the bubble that part of the gap comes from."""
+    model, executed, counted = (report["model_flops_per_device"], report["executed_flops_per_device"],
+                                report["executed_flops"])
+    flags = "; a loop's trip count was not found (counted once)" if counted["trip_count_unknown"] else ""
+    flags += f"; not counted: {', '.join(counted['uncounted'])}" if counted["uncounted"] else ""
+    return (f"FLOPs per device per step: executed {executed:.3e} (compiled program), model {model:.3e} "
+            f"(6N + attention; executed/model {executed / model:.2f}); pipeline bubble "
+            f"{report['bubble_fraction']:.1%}{flags}")
 
 
 def _layout_text(component: dict) -> str:

@@ -1,4 +1,4 @@
-"""Count the collectives a compiled step executes, from XLA HLO text.
+"""Count the collectives and the matmul FLOPs a compiled step executes, from XLA HLO text.
 
 The dry-run report needs to say, per call of the training step, how many
 all-reduces / reduce-scatters / all-gathers / permutes / all-to-alls run, over
@@ -321,6 +321,28 @@ def _collective_bytes(ins: dict, base: str, n_devices: int) -> dict[str, float]:
     return out
 
 
+def _called(ins: dict) -> list[str]:
+    """Computations a call / fusion / async-start / conditional runs (not reducers, not while)."""
+    if ins["op"] not in ("call", "fusion", "async-start", "conditional"):
+        return []
+    attrs = ins["attrs"]
+    called = re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)", attrs)
+    branches = re.search(r"branch_computations=\{([^}]*)\}", attrs)
+    return called + ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else [])
+
+
+def _while_parts(comps, ins: dict, instrs: dict[str, dict]) -> tuple[str | None, int | None]:
+    """(body computation, trip count or None) of a `while`: backend_config's known_trip_count
+    (optimized text), else inferred from the `i < const` condition (pre-optimization text)."""
+    attrs = ins["attrs"]
+    body = re.search(r"body=%?([\w.\-]+)", attrs)
+    cond = re.search(r"condition=%?([\w.\-]+)", attrs)
+    trip = _TRIP.search(attrs)
+    n = int(trip.group(1)) if trip else (
+        _infer_trips(comps, cond.group(1), instrs, ins["args"][0]) if cond and ins["args"] else None)
+    return (body.group(1) if body else None), n
+
+
 def _walk(comps, name: str, mult: int, unknown: bool, mesh, acc: dict, depth: int = 0) -> None:
     """Add the collectives of computation `name`, run `mult` times, into acc."""
     if depth > 64:  # guard against malformed (recursive) call graphs
@@ -341,22 +363,12 @@ def _walk(comps, name: str, mult: int, unknown: bool, mesh, acc: dict, depth: in
                 e["bytes"] += mult * b
                 e["unknown"] |= unknown
             continue
-        called = []
         if op == "while":
-            body = re.search(r"body=%?([\w.\-]+)", attrs)
-            cond = re.search(r"condition=%?([\w.\-]+)", attrs)
-            trip = _TRIP.search(attrs)
-            n = int(trip.group(1)) if trip else (
-                _infer_trips(comps, cond.group(1), instrs, ins["args"][0]) if cond and ins["args"] else None)
+            body, n = _while_parts(comps, ins, instrs)
             if body:
-                _walk(comps, body.group(1), mult * (1 if n is None else n), unknown or n is None,
-                      mesh, acc, depth + 1)
+                _walk(comps, body, mult * (1 if n is None else n), unknown or n is None, mesh, acc, depth + 1)
             continue
-        if op in ("call", "fusion", "async-start", "conditional"):
-            called = re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)", attrs)
-            branches = re.search(r"branch_computations=\{([^}]*)\}", attrs)
-            called += [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
-        for c in called:
+        for c in _called(ins):
             _walk(comps, c, mult, unknown, mesh, acc, depth + 1)
 
 
@@ -400,3 +412,117 @@ def summarize(entries: list[dict]) -> str:
         rows.append((e["op"], e["axis"], e["dtype"], str(e["count"]), human_bytes(e["bytes"]) + flag))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows)
+
+
+# ----------------------------------------------------------------------------- executed FLOPs
+# MFU's model FLOPs (6N) say what the model needs; this says what the compiled program runs, remat
+# recomputation, masked pipeline slots and replicated work included.
+
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__onednn$matmul")  # dots XLA lowered to a library
+_MAYBE_COMPUTE = re.compile(r"gemm|matmul|conv|fmha|attention", re.I)
+
+
+def _dims(shape: str) -> list[int]:
+    """Dimensions of an array shape, or of the first element of a tuple shape (custom-call results)."""
+    m = _ARRAY.search(_tuple_elems(shape)[0])
+    return [int(d.replace("<=", "")) for d in m.group(2).split(",") if d.strip()] if m else []
+
+
+def _dot_flops(ins: dict, instrs: dict[str, dict]) -> float | None:
+    """2 x output elements x contracted size (each output element sums `contracted` products; batch
+    dims are output dims). None when the lhs shape or the dimension numbers cannot be read."""
+    lhs = instrs.get(ins["args"][0]) if ins["args"] else None
+    spec = (re.search(r"lhs_contracting_dims=\{([\d,\s]*)\}", ins["attrs"]) or
+            re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', ins["attrs"]))
+    if lhs is None or spec is None:
+        return None
+    lhs_dims = _dims(lhs["shape"])
+    contracted = int(np.prod([lhs_dims[i] for i in _ints(spec.group(1))] or [1]))
+    return 2.0 * float(np.prod(_dims(ins["shape"]) or [1])) * contracted
+
+
+def _conv_flops(ins: dict, instrs: dict[str, dict]) -> float | None:
+    """2 x output elements x kernel elements per output feature. XLA's kernel input-feature dim is
+    already input features / feature_group_count (and batch_group_count splits the lhs batch, not the
+    kernel), so kernel elements / output features is exactly the products summed per output element."""
+    labels = re.search(r"dim_labels=\w+_(\w+)->", ins["attrs"])
+    kernel = instrs.get(ins["args"][1]) if len(ins["args"]) > 1 else None
+    if labels is None or kernel is None:
+        return None
+    k_dims = _dims(kernel["shape"])
+    per_output = float(np.prod(k_dims)) / k_dims[labels.group(1).index("o")]
+    return 2.0 * float(np.prod(_dims(ins["shape"]) or [1])) * per_output
+
+
+def _instr_flops(ins: dict, instrs: dict[str, dict]) -> tuple[str, float | None] | None:
+    """(kind, FLOPs) of a matmul-like instruction, None for anything else."""
+    op = ins["op"]
+    if op == "dot":
+        return "dot", _dot_flops(ins, instrs)
+    if op == "convolution":
+        return "convolution", _conv_flops(ins, instrs)
+    target = re.search(r'custom_call_target="([^"]+)"', ins["attrs"]) if op == "custom-call" else None
+    if target and target.group(1) in _GEMM_TARGETS:
+        return "dot", _dot_flops(ins, instrs)
+    if target and _MAYBE_COMPUTE.search(target.group(1)):
+        return target.group(1), None
+    return None
+
+
+def _comp_flops(comps, name: str, memo: dict, depth: int = 0) -> dict:
+    """{"dot", "convolution", "unknown_trip", "uncounted"} of one execution of computation `name`.
+
+    Called computations are added, while bodies multiplied by their trip count (nested loops multiply
+    through), and a conditional counts its most expensive branch (see executed_flops)."""
+    if name in memo:
+        return memo[name]
+    out = {"dot": 0.0, "convolution": 0.0, "unknown_trip": False, "uncounted": set()}
+    if depth > 64:  # malformed (recursive) call graph
+        return out
+    instrs = {i["name"]: i for i in comps.get(name, [])}
+    for ins in comps.get(name, []):
+        own = _instr_flops(ins, instrs)
+        if own is not None:
+            kind, flops = own
+            if flops is None:
+                out["uncounted"].add(kind if kind not in ("dot", "convolution") else f"{kind} {ins['name']}")
+            else:
+                out[kind] += flops
+            continue
+        if ins["op"] == "while":
+            body, n = _while_parts(comps, ins, instrs)
+            parts = [(_comp_flops(comps, body, memo, depth + 1), 1 if n is None else n)] if body else []
+            out["unknown_trip"] |= n is None
+        else:
+            called = [_comp_flops(comps, c, memo, depth + 1) for c in _called(ins)]
+            if ins["op"] == "conditional" and called:
+                called = [max(called, key=lambda c: c["dot"] + c["convolution"])]
+            parts = [(c, 1) for c in called]
+        for sub, times in parts:
+            out["dot"] += times * sub["dot"]
+            out["convolution"] += times * sub["convolution"]
+            out["unknown_trip"] |= sub["unknown_trip"]
+            out["uncounted"] |= sub["uncounted"]
+    memo[name] = out
+    return out
+
+
+def executed_flops(hlo_text: str) -> dict:
+    """Matmul FLOPs one device executes in one call of the program (an SPMD program's shapes are one
+    device's shards): every `dot`, `convolution` and library GEMM custom-call, inside fusions, calls,
+    async wrappers and while bodies (x known_trip_count, else the trip count inferred from the loop
+    condition; nested loops multiply through). Elementwise work is not counted (nor in model FLOPs).
+
+    A conditional runs one branch, known only at run time: each counts its costliest branch, an upper
+    bound, exact when the branches cost the same. The train step's only conditional is the NaN guard
+    (jaxpar/parallel/step.py: optimizer update vs identity, no matmul in either), so the rule changes
+    nothing there; unlike the sum over branches (`collectives`), it cannot count work that never runs.
+
+    Returns {"total", "dot", "convolution", "trip_count_unknown" (a loop counted once), "uncounted"
+    (custom-calls that look like matmuls but cannot be read, e.g. cuDNN attention; unreadable dots)}."""
+    comps, entry = parse_module(hlo_text)
+    if entry is None:
+        raise ValueError("no ENTRY computation in HLO text")
+    got = _comp_flops(comps, entry, {})
+    return {"total": got["dot"] + got["convolution"], "dot": got["dot"], "convolution": got["convolution"],
+            "trip_count_unknown": got["unknown_trip"], "uncounted": sorted(got["uncounted"])}

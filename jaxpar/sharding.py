@@ -55,8 +55,13 @@ def tensor_axes(mesh) -> str | tuple[str, ...]:
 
 
 def llm_rules(mesh) -> Rules:
+    """The LLM's table on this mesh. With a pipeline the vocabulary goes over pp x tp (pp outer): the
+    embedding and LM head are spread over the stages instead of replicated on each (jaxpar.parallel.pipeline)."""
     tp = tensor_axes(mesh)
-    return Rules({name: (tp if axis == "tp" else axis) for name, axis in RULES.items()})
+    table = {name: (tp if axis == "tp" else axis) for name, axis in RULES.items()}
+    if mesh.shape.get("pp", 1) > 1:
+        table["vocab"] = ("pp",) + (tp if isinstance(tp, tuple) else (tp,))
+    return Rules(table)
 
 
 def vision_rules(vision_tp: int, mesh) -> Rules:

@@ -1,7 +1,7 @@
 """Reproduce the figures in BENCHMARKS.md (CPU host, 8 emulated devices). Prints markdown tables.
 
     python scripts/benchmarks.py zero_memory        # llama7b, dp=8, ZeRO 0-3: dry-run bytes vs the formula
-    python scripts/benchmarks.py pipeline_memory    # temp bytes vs m, 1F1B vs GPipe, p=4
+    python scripts/benchmarks.py pipeline_schedules [4,8,16]  # p=4: bubble, executed FLOPs, temp, CPU step time per schedule
     python scripts/benchmarks.py step_time          # llama_tiny step-time ratios (alternating, one process)
     python scripts/benchmarks.py remat_memory       # llama7b dry-run bytes per remat policy and with optimizer offload
     python scripts/benchmarks.py remat_time         # llama_tiny step time per remat policy / offload vs none
@@ -51,19 +51,41 @@ def zero_memory():
               f"{SEED_TABLE_2_3_GB[stage]} |")
 
 
-def pipeline_memory():
-    model = ModelConfig(vocab_size=512, d_model=256, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=1024)
-    base = dataclasses.replace(load_config("llama_tiny.py"), model=model)
-    print("| m | 1F1B temp (MB) | GPipe temp (MB) | bubble (p-1)/(m+p-1) |")
-    print("|---|---|---|---|")
-    for m in (1, 2, 4, 8, 16, 32):
-        row = []
-        for schedule in ("1f1b", "gpipe"):
-            config = with_layout(base, pp=4, stage=0, schedule=schedule, microbatches=m)
-            config = dataclasses.replace(config, train=dataclasses.replace(config.train, global_batch_size=2 * m,
-                                                                           seq_len=128))
-            row.append(dry_run(config, mesh_for(config))["per_device_bytes"]["temp"] / 1e6)
-        print(f"| {m} | {row[0]:.1f} | {row[1]:.1f} | {3 / (m + 3):.3f} |")
+PIPELINE_MODEL = ModelConfig(vocab_size=512, d_model=256, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=1024)
+PIPELINE_VARIANTS = {  # name: (schedule, virtual stages, stage recompute)
+    "gpipe": ("gpipe", 1, False),
+    "1f1b, stage recompute": ("1f1b", 1, True),
+    "1f1b, residuals kept": ("1f1b", 1, False),
+    "interleaved v=2": ("1f1b", 2, False),
+    "zb": ("zb", 1, False),
+}
+
+
+def _pipeline_config(m: int, variant: str | None):
+    """p=4 (or one device when `variant` is None), 8 layers, a fixed microbatch of 2 x 128 tokens."""
+    base = dataclasses.replace(load_config("llama_tiny.py"), model=PIPELINE_MODEL)
+    base = dataclasses.replace(base, train=dataclasses.replace(base.train, global_batch_size=2 * m, seq_len=128))
+    if variant is None:
+        return with_layout(base, stage=0)
+    schedule, virtual, recompute = PIPELINE_VARIANTS[variant]
+    return with_layout(base, pp=4, stage=0, schedule=schedule, microbatches=m, virtual_stages=virtual,
+                       stage_recompute=recompute)
+
+
+def pipeline_schedules(microbatches: str = "4,8,16"):
+    """Per schedule at p=4 and m in {4, 8, 16}: bubble (table), executed / model FLOPs and temp bytes
+    (compiled program), CPU step time relative to one device on the same global batch (alternated)."""
+    print("| schedule | m | bubble | executed / model FLOPs | temp (MB) | CPU step / (1,1,1) |")
+    print("|---|---|---|---|---|---|")
+    for m in (int(x) for x in microbatches.split(",")):
+        configs = {"(1,1,1)": _pipeline_config(m, None), **{v: _pipeline_config(m, v) for v in PIPELINE_VARIANTS}}
+        seconds = time_alternating(configs, rounds=8)
+        for variant in PIPELINE_VARIANTS:
+            report = dry_run(configs[variant], mesh_for(configs[variant]))
+            ratio = report["executed_flops_per_device"] / report["model_flops_per_device"]
+            print(f"| {variant} | {m} | {report['bubble_fraction']:.3f} | {ratio:.2f} | "
+                  f"{report['per_device_bytes']['temp'] / 1e6:.1f} | {seconds[variant] / seconds['(1,1,1)']:.2f} |",
+                  flush=True)
 
 
 def compiled_step(config):
@@ -204,5 +226,6 @@ def checkpoint_time():
 
 
 if __name__ == "__main__":
-    {"zero_memory": zero_memory, "pipeline_memory": pipeline_memory, "step_time": step_time,
-     "remat_memory": remat_memory, "remat_time": remat_time, "checkpoint_time": checkpoint_time}[sys.argv[1]]()
+    {"zero_memory": zero_memory, "pipeline_schedules": pipeline_schedules, "step_time": step_time,
+     "remat_memory": remat_memory, "remat_time": remat_time, "checkpoint_time": checkpoint_time}[sys.argv[1]](
+        *sys.argv[2:])

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import builder_for, make_config
+from conftest import TINY_MODEL, builder_for, make_config
 from jaxpar.checkpoint import _model_fingerprint, fingerprint_mismatch
 from jaxpar.config import CheckpointConfig, DebugConfig, PipelineConfig, load_config
 from jaxpar.errors import ConfigError
@@ -54,6 +54,28 @@ def test_checkpoint_restores_onto_another_layout(tmp_path):
                                  pipeline=PipelineConfig(schedule="1f1b", microbatches=2))
     resumed = train(with_checkpoints(second, every=3), builder_for(second).mesh, tmp_path, show_progress=False)
     np.testing.assert_allclose([r["loss"] for r in resumed], full[3:], rtol=1e-5)
+
+
+def test_checkpoint_restores_across_pipeline_and_virtual_stages(tmp_path):
+    """No pipeline -> (1,2,1) interleaved (v=2, layers stored by device) -> (1,4,1): the same losses as
+    one uninterrupted run, so the stored layer order is recorded and moved on each restore."""
+    model = dataclasses.replace(TINY_MODEL, n_layers=4)
+
+    def layout(dp, pp, tp, virtual=1):
+        config = make_config(dp=dp, pp=pp, tp=tp, stage=1 if dp > 1 else 0, steps=6, lr=3e-3, model=model)
+        if pp > 1:
+            config = dataclasses.replace(config, pipeline=PipelineConfig(microbatches=pp, virtual_stages=virtual))
+        return with_checkpoints(config, every=2)
+
+    def resume(config):
+        return [r["loss"] for r in train(config, builder_for(config).mesh, tmp_path, show_progress=False)]
+
+    full = resume(layout(2, 1, 4))
+    drop_checkpoints_after(tmp_path, 2)
+    interleaved = resume(layout(1, 2, 1, virtual=2))
+    np.testing.assert_allclose(interleaved, full[2:], rtol=1e-5)
+    drop_checkpoints_after(tmp_path, 4)
+    np.testing.assert_allclose(resume(layout(1, 4, 1)), full[4:], rtol=1e-5)
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):

@@ -25,6 +25,7 @@ OTHER_KEYS = {
     "train.b2": float, "train.eps": float, "train.grad_clip": float, "train.grad_accum": int, "train.log_every": int,
     "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float, "remat.policy": str,
     "hardware.peak_tflops": float, "pipeline.schedule": str, "pipeline.microbatches": int,
+    "pipeline.virtual_stages": int, "pipeline.stage_recompute": bool,
     "offload.optimizer": bool, "offload.master_weights": bool,
     "model.kind": str, "model.prefix_lm": bool, "model.text_loss": bool,
     "vision.image_size": int, "vision.patch_size": int, "vision.channels": int, "vision.cameras": int,
@@ -234,6 +235,17 @@ PIPELINE_MISTAKES = {
     "grad_accum with pp": (dict(mesh__pp=2, train__grad_accum=2), "set pipeline.microbatches instead"),
     "microbatches without pp": (dict(pipeline__microbatches=2), "needs mesh.pp > 1"),
     "layers vs pp": (dict(mesh__pp=4, model__n_layers=6), "mesh.pp=4 does not divide model.n_layers=6"),
+    "virtual stages vs layers": (dict(mesh__pp=2, pipeline__virtual_stages=2),
+                                 "pipeline.virtual_stages=2 does not divide the 1 layers per stage"),
+    "interleaving needs m % p": (dict(mesh__pp=4, model__n_layers=8, pipeline__microbatches=2, pipeline__virtual_stages=2),
+                                 "pipeline.microbatches=2 is not a multiple of mesh.pp=4"),
+    "gpipe does not interleave": (dict(mesh__pp=2, model__n_layers=4, pipeline__schedule="gpipe", pipeline__virtual_stages=2),
+                                  "needs pipeline.schedule=1f1b ('gpipe' does not interleave)"),
+    "zb with stage recompute": (dict(mesh__pp=2, pipeline__schedule="zb", pipeline__stage_recompute=True),
+                                "set pipeline.stage_recompute=false"),
+    "vocabulary over pp x tp": (dict(mesh__pp=2, model__vocab_size=260),
+                                "model.vocab_size=260 is not divisible by mesh.pp x mesh.tp = 8"),
+    "virtual stages without pp": (dict(pipeline__virtual_stages=2), "pipeline.virtual_stages=2 needs mesh.pp > 1"),
 }
 
 

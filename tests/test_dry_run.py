@@ -186,3 +186,46 @@ def test_llama7b_dp8_zero3():
     gathers = {e["dtype"]: e for e in rep["collectives_requested"] if e["op"] == "all-gather" and e["axis"] == "dp"}
     assert set(gathers) == {"bf16"}
     assert gathers["bf16"]["count"] == 3 + 2 * 9 * 32
+
+
+# ----------------------------------------------------------------------------- 7. FLOPs
+
+def hand_train_flops(model: ModelConfig, batch: int, seq: int) -> int:
+    """Matmul FLOPs of one train step of the Llama model on one device, written out matmul by matmul
+    (2 m n k each): per layer q, k, v, o projections, the attention scores q k^T and the weighted values
+    (full S x S: XLA's attention masks, it does not skip), gate, up and down; then the LM head. The
+    backward runs two matmuls of the same size per forward matmul (the two operands' gradients; the first
+    layer's input gradient too, which the embedding's gradient needs), so a step is 3 x forward. The
+    embedding is a gather (no matmul)."""
+    t, d, f, v = batch * seq, model.d_model, model.d_ff, model.vocab_size
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    per_layer = (2 * t * d * q + 2 * 2 * t * d * kv  # q, k, v projections
+                 + 2 * batch * model.n_heads * seq * seq * model.head_dim  # scores q k^T
+                 + 2 * batch * model.n_heads * seq * seq * model.head_dim  # probabilities x v
+                 + 2 * t * q * d  # output projection
+                 + 2 * 2 * t * d * f + 2 * t * f * d)  # gate, up, down
+    return 3 * (model.n_layers * per_layer + 2 * t * d * v)
+
+
+def test_executed_flops_of_a_one_device_step_equal_the_hand_count():
+    """Tiny Llama, one device, remat none: every matmul the compiled step runs is one of the hand count's,
+    exactly; and this model's 6N + attention FLOPs are the same number (d_model = heads x head_dim)."""
+    config = make_config()  # 1 device, remat none, fp32, batch 16 x 16 tokens
+    with mock.patch.object(jax.stages.Lowered, "compile", _fast_compile):
+        rep = dr.dry_run(config, mesh_for(config))
+    want = hand_train_flops(config.model, 16, 16)
+    assert rep["executed_flops_per_device"] == want
+    assert rep["executed_flops"]["dot"] == want and rep["executed_flops"]["convolution"] == 0
+    assert not rep["executed_flops"]["trip_count_unknown"] and rep["executed_flops"]["uncounted"] == []
+    assert rep["model_flops_per_device"] == rep["flops_per_step"] == want
+    assert rep["bubble_fraction"] == 0.0
+    assert "executed 1.447e+08 (compiled program), model 1.447e+08" in dr.format_report(rep)
+
+
+@pytest.mark.parametrize("dp,tp", MESHES)
+def test_executed_flops_split_evenly_over_8_devices(dp, tp):
+    """dp x tp, remat none: each device runs exactly 1/8 of the model's matmuls (tp splits heads, d_ff and
+    the vocabulary; dp the batch); the optimizer, the norms and the loss have none."""
+    rep = report(dp, tp, 1)
+    assert rep["model_flops_per_device"] == rep["flops_per_step"] / 8
+    assert rep["executed_flops_per_device"] == hand_train_flops(MODEL, 16, 16) / 8

@@ -35,7 +35,7 @@ def run(config):
     """STEPS train steps; returns (gradients of the first step, losses, final state)."""
     builder = builder_for(config)
     if config.precision == "fp32":
-        state = jax.device_put(initial_state_on_host(config.model), builder.state_shardings())
+        state = jax.device_put(builder.from_model_order(initial_state_on_host(config.model)), builder.state_shardings())
     else:  # bf16 state has a different structure (bf16 params + fp32 master)
         state = builder.init_state(config.train.seed)
     data = [jax.device_put(b, builder.batch_sharding()) for b in batches(config)]
@@ -44,7 +44,7 @@ def run(config):
     for batch in data:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-        grads0 = jax.device_get(metrics["grads"]) if grads0 is None else grads0
+        grads0 = builder.to_model_order(jax.device_get(metrics["grads"])) if grads0 is None else grads0
     return grads0, np.array(losses), state
 
 

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxpar.hlo import axis_label, collectives, parse_replica_groups, summarize  # noqa: E402
+from jaxpar.hlo import axis_label, collectives, executed_flops, parse_replica_groups, summarize  # noqa: E402
 
 AUTO = (jax.sharding.AxisType.Auto,) * 3
 
@@ -271,3 +271,139 @@ def test_mesh_replica_groups_of_compiled_programs():
         text = compiled(fn, spec, out)
         assert "device_ids=(" in text
         assert [(e["op"], e["axis"], e["bytes"]) for e in collectives(text, mesh)] == [(op, axis, nbytes)]
+
+
+# ----------------------------------------------------------------------------- executed FLOPs
+# Expected FLOPs are written out by hand: a matmul [m, k] x [k, n] is m n k multiply-adds = 2 m n k.
+
+def _flops(f, *args) -> dict:
+    """executed_flops of the optimized program, after checking the pre-optimization text agrees."""
+    low = jax.jit(f).lower(*args)
+    got = executed_flops(low.compile().as_text())
+    assert executed_flops(low.as_text(dialect="hlo"))["total"] == got["total"]
+    assert not got["trip_count_unknown"] and not got["uncounted"]
+    return got
+
+
+A, B = jnp.ones((8, 32), jnp.float32), jnp.ones((32, 16), jnp.float32)
+W = jnp.ones((32, 32), jnp.float32)
+
+
+def test_flops_of_one_matmul():
+    assert _flops(jnp.matmul, A, B)["total"] == 2 * 8 * 32 * 16
+
+
+def test_flops_of_batched_einsum_count_the_batch():
+    x, y = jnp.ones((3, 5, 8, 32)), jnp.ones((3, 5, 32, 16))
+    got = _flops(lambda x, y: jnp.einsum("abik,abkj->abij", x, y), x, y)
+    assert got["total"] == got["dot"] == 2 * (3 * 5) * 8 * 16 * 32
+
+
+def test_flops_of_a_contraction_over_two_dims():
+    """The attention output projection: [b, s, heads, head_dim] x [heads, head_dim, d] sums heads x head_dim."""
+    o, w = jnp.ones((2, 8, 4, 16)), jnp.ones((4, 16, 32))
+    assert _flops(lambda o, w: jnp.einsum("bsnh,nhd->bsd", o, w), o, w)["total"] == 2 * (2 * 8 * 32) * (4 * 16)
+
+
+def test_flops_of_convolutions():
+    x, k = jnp.ones((2, 8, 8, 6)), jnp.ones((3, 3, 6, 4))
+    dn = ("NHWC", "HWIO", "NHWC")
+    same = _flops(lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=dn), x, k)
+    assert same["total"] == same["convolution"] == 2 * (2 * 8 * 8 * 4) * (3 * 3 * 6)  # output x kernel per output
+    strided = _flops(lambda x, k: lax.conv_general_dilated(x, k, (2, 2), "VALID", dimension_numbers=dn), x, k)
+    assert strided["total"] == 2 * (2 * 3 * 3 * 4) * (3 * 3 * 6)
+    # 2 feature groups: each output feature sees 3 of the 6 input features (the kernel's I dim is 6 / 2)
+    grouped = _flops(lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=dn,
+                                                           feature_group_count=2), x, jnp.ones((3, 3, 3, 4)))
+    assert grouped["total"] == 2 * (2 * 8 * 8 * 4) * (3 * 3 * 3)
+
+
+def test_flops_of_matmul_in_scan_multiply_by_its_length():
+    def f(a, w):
+        return lax.scan(lambda c, _: (jnp.tanh(c @ w), None), a, None, length=7)[0]
+
+    assert _flops(f, A, W)["total"] == 7 * 2 * 8 * 32 * 32
+
+
+def test_flops_of_nested_scans_multiply_through():
+    def f(a, w):
+        inner = lambda c, _: (jnp.sin(c @ w), None)  # noqa: E731
+        outer = lambda c, _: (lax.scan(inner, c @ w, None, length=4)[0], None)  # noqa: E731
+        return lax.scan(outer, a, None, length=3)[0]
+
+    assert _flops(f, A, W)["total"] == 3 * (1 + 4) * 2 * 8 * 32 * 32
+
+
+def test_flops_of_a_dot_inside_a_fusion():
+    text = jax.jit(lambda a, b: jnp.tanh(a @ b) * 2.0 + 1.0).lower(A, B).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    assert " dot(" not in entry and "fusion(" in entry  # the dot only exists inside a fused computation
+    assert executed_flops(text)["total"] == 2 * 8 * 32 * 16
+
+
+FLOPS_LITERAL = """HloModule m, is_scheduled=true
+
+%gemm (p0: f32[8,32], p1: f32[32,16]) -> f32[8,16] {
+  %p0 = f32[8,32]{1,0} parameter(0)
+  %p1 = f32[32,16]{1,0} parameter(1)
+  ROOT %d = f32[8,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%cheap (q: (f32[8,32], f32[32,16])) -> f32[8,16] {
+  %q = (f32[8,32]{1,0}, f32[32,16]{1,0}) parameter(0)
+  %q0 = f32[8,32]{1,0} get-tuple-element(%q), index=0
+  %q1 = f32[32,16]{1,0} get-tuple-element(%q), index=1
+  %qt = f32[32,8]{1,0} transpose(%q0), dimensions={1,0}
+  ROOT %z = f32[8,16]{1,0} dot(%qt, %q1), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+
+%costly (r: (f32[8,32], f32[32,16])) -> f32[8,16] {
+  %r = (f32[8,32]{1,0}, f32[32,16]{1,0}) parameter(0)
+  %r0 = f32[8,32]{1,0} get-tuple-element(%r), index=0
+  %r1 = f32[32,16]{1,0} get-tuple-element(%r), index=1
+  %once = f32[8,16]{1,0} fusion(%r0, %r1), kind=kOutput, calls=%gemm
+  ROOT %twice = f32[8,16]{1,0} call(%r0, %r1), to_apply=%gemm
+}
+
+%inner (s: (s32[], f32[8,32], f32[32,16])) -> (s32[], f32[8,32], f32[32,16]) {
+  %s = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) parameter(0)
+  %s0 = f32[8,32]{1,0} get-tuple-element(%s), index=1
+  %s1 = f32[32,16]{1,0} get-tuple-element(%s), index=2
+  %g = f32[8,16]{1,0} fusion(%s0, %s1), kind=kOutput, calls=%gemm
+  ROOT %st = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) tuple(%i, %s0, %s1)
+}
+
+%outer (o: (s32[], f32[8,32], f32[32,16])) -> (s32[], f32[8,32], f32[32,16]) {
+  %o = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) parameter(0)
+  %w = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) while(%o), condition=%c, body=%inner, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %wt = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) tuple(%i, %a, %b)
+}
+
+ENTRY %main (a: f32[8,32], b: f32[32,16], p: pred[]) -> f32[8,16] {
+  %a = f32[8,32]{1,0} parameter(0)
+  %b = f32[32,16]{1,0} parameter(1)
+  %p = pred[] parameter(2)
+  %ab = (f32[8,32]{1,0}, f32[32,16]{1,0}) tuple(%a, %b)
+  %cond = f32[8,16]{1,0} conditional(%p, %ab, %ab), true_computation=%costly, false_computation=%cheap
+  %init = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) tuple(%z, %a, %b)
+  %loop = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) while(%init), condition=%c, body=%outer, backend_config={"known_trip_count":{"n":"3"}}
+  %lib = (f32[8,16]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %fmha = (f32[8,16]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %out = f32[8,16]{1,0} add(%cond, %cond)
+}
+"""
+
+
+def test_flops_literal_module_conditional_nested_whiles_and_library_calls():
+    """The costlier branch of a conditional (2 gemms, not 1 and not 1 + 2; the cheap one contracts the
+    lhs's first dim), a while in a while (3 x 5), a cuBLAS custom-call read from its dimension numbers,
+    and a cuDNN attention call flagged as not counted."""
+    gemm = 2 * 8 * 32 * 16
+    got = executed_flops(FLOPS_LITERAL)
+    assert got["total"] == got["dot"] == (2 + 3 * 5 + 1) * gemm
+    assert got["uncounted"] == ["__cudnn$fmhaSoftmax"] and not got["trip_count_unknown"]
+
+
+def test_flops_unknown_trip_count_is_flagged():
+    got = executed_flops(FLOPS_LITERAL.replace('backend_config={"known_trip_count":{"n":"3"}}', ""))
+    assert got["trip_count_unknown"] and got["total"] == (2 + 1 * 5 + 1) * 2 * 8 * 32 * 16

@@ -2,10 +2,12 @@
 
 The agreement cases compile tiny fp32 models on the 8 emulated CPU devices (fast compile, as in
 test_dry_run.py) with sequences long enough that attention activations dominate, and compare the
-estimated peak (target "cpu": what XLA:CPU allocates) with the dry run's compiled peak.
+estimated peak (target "cpu": what XLA:CPU allocates) with the dry run's compiled peak; the FLOPs
+cases compare the planner's executed matmul FLOPs with those counted in the compiled step.
 """
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -14,11 +16,12 @@ from unittest import mock
 import jax
 import pytest
 
-from conftest import builder_for
+from conftest import builder_for, make_config
 from jaxpar import dry_run as dr
 from jaxpar.config import (Config, MeshConfig, ModelConfig, PipelineConfig, RematConfig, TrainConfig, ZeroConfig,
                            load_config, validate)
 from jaxpar.planner import cost, hardware, memory, recommend
+from test_dry_run import hand_train_flops
 
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_kv_heads=8, d_ff=256)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -43,11 +46,12 @@ def compiled_peak(config: Config) -> int:
         return dr.dry_run(config, builder.mesh)["per_device_bytes"]["peak"]
 
 
-AGREEMENT = [  # attention-heavy (none), Megatron selective, ZeRO-2 with full remat, 1F1B x tp x dp
+AGREEMENT = [  # attention-heavy (none), Megatron selective, ZeRO-2 with full remat, 1F1B x tp x dp, 1F1B's stash
     dict(dp=2, tp=4, remat="none"),
     dict(dp=2, tp=4, remat="selective", stage=1, precision="bf16"),
     dict(dp=8, stage=2, remat="full"),
     dict(dp=2, pp=2, tp=2, stage=1, remat="full", m=4),
+    dict(pp=4, tp=2, remat="none", m=8),  # 1F1B keeping 2p - 1 = 7 microbatches of full residuals on stage 0
 ]
 
 
@@ -71,10 +75,11 @@ def test_activations_order_by_remat_policy_and_1f1b_is_flat_in_m():
     acts = {p: memory.estimate(tiny(dp=2, tp=4, remat=p))["per_device_bytes"]["activations"]
             for p in ("none", "dots", "selective", "full")}
     assert acts["none"] > acts["dots"] > acts["selective"] > acts["full"]
-    one_f_one_b = [memory.estimate(tiny(pp=2, m=m, remat="none"))["per_device_bytes"]["activations"] for m in (2, 8)]
+    # 1F1B: at most 2p - 1 = 3 microbatches in flight on stage 0 once m >= 3, whatever m is
+    one_f_one_b = [memory.estimate(tiny(pp=2, m=m, remat="none"))["per_device_bytes"]["activations"] for m in (4, 16)]
     gpipe = [memory.estimate(dataclasses.replace(tiny(pp=2, m=m, remat="none"), pipeline=PipelineConfig("gpipe", m)))
-             ["per_device_bytes"]["activations"] for m in (2, 8)]
-    microbatch_ratio = 4  # m = 2 -> 8 divides each microbatch by 4
+             ["per_device_bytes"]["activations"] for m in (4, 16)]
+    microbatch_ratio = 4  # m = 4 -> 16 divides each microbatch by 4
     assert one_f_one_b[1] * microbatch_ratio == pytest.approx(one_f_one_b[0], rel=0.01)
     assert gpipe[1] * microbatch_ratio > 2 * gpipe[0]
 
@@ -104,16 +109,137 @@ def test_seed_16_gpu_70b_vla_question_has_a_definite_answer():
     assert memory.estimate(load_config("vla70b.py"))["per_device_bytes"]["peak"] < hw.usable_bytes
 
 
-def test_step_time_parts_and_inter_node_links():
-    config = load_config("vla70b.py")
-    hw = hardware.get("a100-80gb")
-    t = cost.step_time(config, hw, 8)
+def test_inter_node_links_of_the_64_gpu_vla():
+    t = cost.step_time(load_config("vla70b.py"), hardware.get("a100-80gb"), 8)
     assert t["links"] == {"tp": "NVLink", "dp": "inter-node", "pp": "inter-node"}
-    parts = t["compute_s"] + t["bubble_s"] + t["tp_comm_s"] + t["dp_comm_s"] + t["pp_comm_s"]
-    assert t["step_s"] == pytest.approx(parts)
-    assert t["bubble_s"] / (t["compute_s"] + t["bubble_s"]) == pytest.approx(3 / 19)
-    faster = cost.step_time(config, hardware.get("h100-80gb"), 8)
+    faster = cost.step_time(load_config("vla70b.py"), hardware.get("h100-80gb"), 8)
     assert faster["compute_s"] < t["compute_s"]
+
+
+def test_one_device_step_is_the_hand_counted_flops_at_the_matmul_rate():
+    """No communication and no bubble on one device: the step is the model's matmuls (counted by hand in
+    test_dry_run) at matmul_efficiency x peak, so MFU is exactly the efficiency without remat and
+    efficiency x model / executed with full remat."""
+    hw = hardware.get("a100-80gb")
+    config = make_config(model=MODEL, seq_len=32)
+    t = cost.step_time(config, hw, 8)
+    flops = hand_train_flops(MODEL, 16, 32)
+    assert t["step_s"] == pytest.approx(flops / (hw.peak_flops * hw.matmul_efficiency), rel=1e-12)
+    assert (t["tp_comm_s"], t["dp_comm_s"], t["pp_comm_s"], t["bubble_s"]) == (0, 0, 0, 0)
+    assert t["mfu"] == pytest.approx(hw.matmul_efficiency, rel=1e-12)
+    full = cost.step_time(dataclasses.replace(config, remat=RematConfig("full")), hw, 8)
+    assert full["mfu"] == pytest.approx(hw.matmul_efficiency * flops / full["executed_flops_per_device"])
+    assert full["mfu"] < hw.matmul_efficiency / 1.2  # the forward again, less the down projection: +24% here
+
+
+def test_tp_comm_is_megatrons_four_all_reduces_per_layer():
+    """llama7b tp=8 in one node: 2 all-reduces of a [b, s, d] activation per layer forward and 2 backward
+    (+2 for the forward full remat runs again), ring over NVLink at half its bidirectional bandwidth."""
+    hw = hardware.get("a100-80gb")
+    config = load_config("llama7b.py", ["mesh.dp=1", "mesh.tp=8", "remat.policy=none"])
+    activation = 2 * config.train.global_batch_size * config.train.seq_len * 4096  # bf16
+    ring = 2 * 7 / 8 / (hw.nvlink_gbps / 2 * 1e9)
+    assert cost.step_time(config, hw, 8)["tp_comm_s"] == pytest.approx(4 * 32 * activation * ring)
+    full = dataclasses.replace(config, remat=RematConfig("full"))
+    assert cost.step_time(full, hw, 8)["tp_comm_s"] == pytest.approx(6 * 32 * activation * ring)
+
+
+def pipelined(m=16, batch=64, **pipeline):
+    base = load_config("llama7b.py", ["mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "zero.stage=0", "remat.policy=none",
+                                      f"train.global_batch_size={batch}", f"pipeline.microbatches={m}"])
+    return dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline, **pipeline))
+
+
+def test_bubble_is_the_idle_slots_of_the_schedule():
+    """1F1B executes m + p - 1 slots of a stage's microbatch work: doubling m (same microbatch size) adds
+    exactly m slots and leaves the bubble's seconds unchanged; interleaving v = 2 halves them (p - 1 idle
+    chunk slots of half the work). bubble_fraction is the idle share of the slots."""
+    hw = hardware.get("a100-80gb")
+    one, two = cost.step_time(pipelined(16, 64), hw, 8), cost.step_time(pipelined(32, 128), hw, 8)
+    slot = (two["executed_parts"]["layers"] - one["executed_parts"]["layers"]) / 16
+    assert one["executed_parts"]["layers"] == pytest.approx((16 + 3) * slot)
+    assert two["bubble_s"] == pytest.approx(one["bubble_s"])
+    assert one["bubble_fraction"] == pytest.approx(3 / 19)
+    interleaved = cost.step_time(pipelined(virtual_stages=2), hw, 8)
+    assert interleaved["bubble_s"] == pytest.approx(one["bubble_s"] / 2)
+    assert interleaved["bubble_fraction"] == pytest.approx(3 / 35)
+    zero_bubble = cost.step_time(pipelined(schedule="zb"), hw, 8)
+    # zb's idle slots are F and the input-gradient B; B holds the attention core's whole backward (no
+    # weights), so the bubble is between 2/3 of 1F1B's (no attention) and 1F1B's; W re-runs the pullback
+    # (jaxpar's zb, docs/design.md), so the busy compute grows
+    assert one["bubble_s"] * 2 / 3 < zero_bubble["bubble_s"] < one["bubble_s"]
+    assert zero_bubble["compute_s"] > one["compute_s"]
+
+
+def test_stage_recompute_runs_each_stage_forward_once_more():
+    hw = hardware.get("a100-80gb")
+    keep, again = cost.step_time(pipelined(), hw, 8), cost.step_time(pipelined(stage_recompute=True), hw, 8)
+    layers = keep["executed_parts"]["layers"]
+    assert again["executed_parts"]["layers"] == pytest.approx(layers * 4 / 3)  # forward + backward (2) + 1
+    assert again["executed_parts"]["head"] == keep["executed_parts"]["head"]
+
+
+# ----------------------------------------------------------------------------- FLOPs against the dry run
+# The planner's matmul count against jaxpar.hlo.executed_flops of the compiled step (fast compile: the HLO
+# is the same). Model FLOPs per device are the same formula on both sides: they must agree exactly.
+# Sequences of 512 make the attention scores ~45% of a layer, so selective remat's recomputed QK^T
+# (+7% of the step) is visible at the 5% tolerance.
+
+FLOPS_MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_kv_heads=8, d_ff=256)
+
+
+@functools.cache
+def flops_dry_run(dp, pp, tp, stage=0, remat="none", m=1, vla=False, schedule="1f1b", virtual=1) -> tuple[Config, dict]:
+    if vla:
+        config = load_config("vla_tiny.py", [f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}",
+                                             f"pipeline.microbatches={m}", f"remat.policy={remat}"])
+    else:
+        config = make_config(dp=dp, pp=pp, tp=tp, stage=stage, model=FLOPS_MODEL, seq_len=512)
+        config = dataclasses.replace(config, remat=RematConfig(remat),
+                                     pipeline=dataclasses.replace(config.pipeline, microbatches=m, schedule=schedule,
+                                                                  virtual_stages=virtual))
+        validate(config)
+    builder = builder_for(config)
+    with mock.patch.object(jax.stages.Lowered, "compile", _fast_compile):
+        return config, dr.dry_run(config, builder.mesh)
+
+
+def assert_flops_agree(config, report):
+    plan = cost.compute_flops(config)
+    assert report["model_flops_per_device"] == pytest.approx(plan["model_flops_per_device"], rel=1e-12)
+    assert plan["executed_flops_per_device"] == pytest.approx(report["executed_flops_per_device"], rel=0.05)
+    assert report["bubble_fraction"] == pytest.approx(plan["bubble_fraction"], rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", [dict(remat="none"), dict(remat="selective"), dict(remat="full"),
+                                    dict(dp=2, tp=4, stage=1, remat="none"), dict(dp=2, tp=4, stage=1, remat="full")],
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_planned_flops_match_the_compiled_step_without_pipeline(layout):
+    layout = {"dp": 1, "pp": 1, "tp": 1, **layout}
+    assert_flops_agree(*flops_dry_run(**layout))
+
+
+PIPELINES = [dict(dp=1, pp=4, tp=1, remat="none", m=8), dict(dp=2, pp=2, tp=2, stage=1, remat="selective", m=4),
+             dict(dp=2, pp=2, tp=2, remat="none", m=4, vla=True),
+             dict(dp=1, pp=2, tp=1, remat="full", m=4, virtual=2), dict(dp=1, pp=4, tp=1, remat="none", m=4, schedule="zb")]
+
+
+@pytest.mark.parametrize("layout", PIPELINES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_planned_flops_match_the_compiled_pipeline(layout):
+    """1F1B that keeps its vjp residuals (no stage forward again), the head split over pp x tp."""
+    config, report = flops_dry_run(**layout)
+    p, m, v = layout["pp"], layout["m"], layout.get("virtual", 1)
+    expected = 2 * (p - 1) / (3 * m + 2 * (p - 1)) if layout.get("schedule") == "zb" else (p - 1) / (v * m + p - 1)
+    assert report["bubble_fraction"] == pytest.approx(expected)
+    assert_flops_agree(config, report)
+
+
+def test_executed_over_model_flops_is_the_pipeline_slots():
+    """The issue's criterion: (1, 4, 1), remat none: every executed slot computes, so executed / model is
+    1 / (1 - bubble) but for the head (split over pp, no idle slots): within 8%."""
+    _, report = flops_dry_run(dp=1, pp=4, tp=1, remat="none", m=8)
+    ratio = report["executed_flops_per_device"] / report["model_flops_per_device"]
+    assert ratio == pytest.approx(1 / (1 - report["bubble_fraction"]), rel=0.08)
 
 
 def plan_cli(*args):

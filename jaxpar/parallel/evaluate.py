@@ -17,8 +17,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.models import llama, vla
-from jaxpar.parallel import schedule as pipeline_schedule
-from jaxpar.parallel.pipeline import Pipeline
 from jaxpar.parallel.step import VISION_KEYS
 from jaxpar.sharding import DP
 
@@ -35,7 +33,8 @@ class Evaluator:
         self.keys = SUM_KEYS[self.config.model.kind]
 
     def _head_sums(self, head, x_BxSxD, batch):
-        token_loss, pred = llama.head_eval(head, x_BxSxD, batch["targets"], self.config.model, self.coll)
+        coll = self.builder.head_collectives(self.coll)  # with a pipeline, the head is split over pp x tp
+        token_loss, pred = llama.head_eval(head, x_BxSxD, batch["targets"], self.config.model, coll)
         if self.config.model.kind == "vla":
             return vla.eval_sums(self.config, token_loss, pred, batch)
         return llama.eval_sums(token_loss, pred, batch)
@@ -58,12 +57,13 @@ class Evaluator:
         if b.dp_axis and not b.gathers_weights:  # typed as in training (see StepBuilder)
             llm = jax.lax.pcast(llm, (DP,), to="varying")
         text = {k: v for k, v in batch.items() if k != "images"}
-        if self.mesh.shape["pp"] > 1:
-            table = pipeline_schedule.build("gpipe", self.mesh.shape["pp"], self.config.pipeline.microbatches)
-            varying = ("pp",) + ((DP,) if b.dp_axis else ())
-            pipe = Pipeline(table, self.config.model, self.coll, None, varying, b.prefix_len)
+        if self.mesh.shape["pp"] > 1:  # the forward slots of the training table (its chunk order)
+            split, micro, extra = b.pipeline_inputs(llm, text, image_tokens)
             zeros = {k: jnp.zeros(self._sum_shape(k), jnp.float32) for k in self.keys}
-            sums = pipe.forward_sums(llm, text, self._head_sums, zeros, image_tokens)
+            if b.dp_axis:
+                zeros = jax.lax.pcast(zeros, (DP,), to="varying")
+            pipe = b.pipeline(self.coll, None, schedule="1f1b")
+            sums = pipe.forward_sums(split, micro, extra, self._head_sums, zeros)
         else:
             x = llama.run_layers(self._llm_input(llm, text, image_tokens), llm["layers"], self.config.model,
                                  self.coll, None, b.prefix_len)

@@ -1,232 +1,363 @@
-"""SPMD pipeline parallelism over the `pp` mesh axis: 1F1B and GPipe, inside the train step's shard_map.
+"""SPMD pipeline parallelism over the `pp` mesh axis, driven by a static schedule table.
 
-Every device runs the same program; a device's stage is `axis_index("pp")` and its slice of the
-stacked layer weights is its stage's layers. A static schedule table (jaxpar.parallel.schedule) is
-fed to `lax.scan` tick by tick; each device reads its own column. Work a stage does not own in a tick
-is masked, never skipped: on CPU a collective inside a per-device `lax.cond` deadlocks, and on GPUs
-divergent collectives hang NCCL the same way, so every device issues the same collectives
-(tp all-reduces inside the stage, the pp ppermutes) in the same order every tick.
+Every device runs the same program inside the train step's shard_map; a device's stage is
+`axis_index("pp")` and its slice of the stacked layer weights holds its chunks (with `virtual`
+chunks per device, chunk c of device s is virtual stage c*p + s, Megatron's interleaving). The
+table (jaxpar.parallel.schedule) is fed to `lax.scan` one phase at a time: each tick runs, in this
+order, the kinds of slot the phase has: F (forward of one chunk for one microbatch), L (the loss of
+the microbatch the last virtual stage just finished), B (backward of one chunk). Work a stage does
+not own in a tick is masked, never skipped: every device issues the same collectives in the same
+order every tick (a per-device `lax.cond` around a collective deadlocks, docs/design.md).
 
-1F1B keeps the stage input of each microbatch in flight in a ring buffer of 2p-1 slots and, at its
-backward tick, re-runs the stage forward under `jax.vjp` (stage-level recomputation, as Megatron's
-full recompute). Memory is O(p) microbatches whatever m is; the price is one extra stage forward per
-microbatch. GPipe differentiates a forward scan over ticks, keeping every tick's residuals: O(m).
+What makes it cheap:
+- **Residuals kept, not recomputed.** A forward slot keeps its chunk's vjp residuals (under the
+  remat policy: only what the policy saves) in a stash of `schedule.stash_slots` entries (+ one spare that idle slots write); the
+  backward slot rebuilds the pullback from them (jaxpar.parallel.residuals). Parameters and
+  constants are never stashed. `stage_recompute=True` keeps only the chunk input and re-runs the
+  forward under vjp instead (the lowest-memory choice).
+- **Head and first input computed once, spread over pp.** The model's first-input and head
+  functions are called on every stage *for the same microbatch*: their weights are sharded over
+  pp x tp (vocabulary-parallel), so each device computes its 1/(pp tp) of the embedding lookup and
+  of the LM head + loss. The last stage's output is broadcast to all stages (one psum over pp) for
+  the head; the head's input cotangent is summed back over pp (one psum). Nothing is replicated pp
+  times and no stage computes a whole head.
 
-The embedding (stage 0) and the head + loss (last stage) are computed, masked, on every stage; their
-weights are replicated over pp and their gradients summed over pp once at the end.
+The runtime imports no model: it gets a `StagePieces` (first input, chunk body, head loss).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxpar.config import ModelConfig
-from jaxpar.layers.collectives import Collectives, after
-from jaxpar.models import llama, vla
-from jaxpar.parallel.schedule import Schedule
+from jaxpar.layers.collectives import after
+from jaxpar.parallel.residuals import InputStash, ResidualStash
+from jaxpar.parallel.schedule import IDLE, Schedule
 
 PP = "pp"
-HEAD_KEYS = ("final_norm", "lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePieces:
+    """What a model hands the pipeline. Each is called inside shard_map on per-device shards.
+
+    first_input(first_params, extra_mb, data_mb) -> x: the first virtual stage's input (embedding;
+        for a VLA the image tokens `extra_mb` come first). Called on every stage for the same
+        microbatch, so it may spread its work over pp; its result must not vary over pp.
+    body(chunk_params, x) -> y: one chunk of layers (params: the chunk's slice of the stacked layers).
+    head_loss(head_params, y, data_mb) -> scalar: the microbatch's loss contribution (already
+        normalised); called on every stage with the same y, so it may spread its work over pp.
+    """
+
+    first_input: Callable
+    body: Callable
+    head_loss: Callable
+
+
+def varying_of(aval) -> frozenset:
+    """The manual mesh axes an abstract value is typed as differing over (check_vma); jax 0.10 keeps
+    them in `manual_axis_type.varying`, later versions in `vma`."""
+    vma = getattr(aval, "vma", None)
+    return frozenset(aval.manual_axis_type.varying if vma is None else vma)
+
+
+def varies_over(x, axis: str) -> bool:
+    return axis in varying_of(jax.typeof(x))
+
+
+def zeros_typed(aval):
+    """Zeros of `aval`'s shape and dtype, typed as varying over the same mesh axes, in the same memory
+    (residuals that remat.policy=offload keeps in host memory are stashed there)."""
+    zeros, axes = jnp.zeros(aval.shape, aval.dtype), tuple(sorted(varying_of(aval)))
+    zeros = jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+    space = getattr(aval, "memory_space", None)
+    return jax.device_put(zeros, space) if space is not None and space != jax.typeof(zeros).memory_space else zeros
+
+
+def _pcast(tree, axes):
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
+
+
+def _to_pp_varying(tree):
+    """Leaves replicated over pp become pp-varying, so each stage accumulates its own gradient."""
+    return jax.tree.map(lambda x: x if varies_over(x, PP) else jax.lax.pcast(x, (PP,), to="varying"), tree)
 
 
 class Pipeline:
-    """Loss and local gradients of one dp shard's batch, pipelined over pp (call inside shard_map)."""
+    """Loss and local gradients of one dp shard's microbatches, pipelined over pp (inside shard_map)."""
 
-    def __init__(self, schedule: Schedule, cfg: ModelConfig, coll: Collectives, remat_policy: Callable | None,
-                 varying_axes: tuple[str, ...], prefix_len: int = 0):
-        self.schedule, self.cfg, self.coll, self.policy = schedule, cfg, coll, remat_policy
-        self.prefix_len = prefix_len  # VLA: image + instruction prefix attends bidirectionally
-        self.p, self.m = schedule.stages, schedule.microbatches
-        self.varying = varying_axes  # the manual axes activations vary over (pp, and dp when dp > 1)
-        self.slots = 2 * self.p - 1  # 1F1B ring buffer: stage 0 holds 2(p-1)+1 microbatches at most
-        self.send_next = [(s, s + 1) for s in range(self.p - 1)]
-        self.send_prev = [(s + 1, s) for s in range(self.p - 1)]
+    def __init__(self, schedule: Schedule, pieces: StagePieces, varying_axes: tuple[str, ...],
+                 stage_recompute: bool = False):
+        self.table, self.pieces, self.varying = schedule, pieces, varying_axes
+        self.p, self.m, self.v = schedule.stages, schedule.microbatches, schedule.virtual
+        self.data_axes = tuple(a for a in varying_axes if a != PP)
+        self.stash_kind = InputStash if stage_recompute else ResidualStash
+        self.split_backward = schedule.kind == "zb"  # B computes input gradients only, W the weights'
+        if self.split_backward and stage_recompute:
+            raise ValueError("pipeline.schedule=zb keeps residuals for its W slots; set pipeline.stage_recompute=false")
+        ring = [(self.p - 1, 0)] if self.v > 1 else []  # chunk c on the last device feeds chunk c+1 on the first
+        self.send_next = [(s, s + 1) for s in range(self.p - 1)] + ring
+        self.send_prev = [(s + 1, s) for s in range(self.p - 1)] + [(b, a) for a, b in ring]
 
-    # --------------------------------------------------------------- pieces
-    def _stage(self, layers, x_BxSxD):
-        return llama.run_layers(x_BxSxD, layers, self.cfg, self.coll, self.policy, self.prefix_len)
+    # --------------------------------------------------------------- helpers
+    def _chunk(self, layers, chunk):
+        """Chunk `chunk` of this device's layers ([v * chunk_len, ...] stacked)."""
+        if self.v == 1:
+            return layers
+        size = jax.tree.leaves(layers)[0].shape[0] // self.v
+        return jax.tree.map(lambda w: jax.lax.dynamic_slice_in_dim(w, chunk * size, size, 0), layers)
 
-    def _first_input(self, table, image_tokens_BxIxD, ids_BxS):
-        """Stage 0's input: embedded tokens, after the projected image tokens for a VLA."""
-        if image_tokens_BxIxD is None:
-            return llama.embed_tokens({"embed": table}, ids_BxS, self.coll)
-        return vla.llm_inputs({"embed": table}, image_tokens_BxIxD, ids_BxS, self.coll)
+    def _add_chunk(self, acc, grads, chunk):
+        """Accumulate a chunk's gradients (fp32) into the device's layer accumulator."""
+        if self.v == 1:
+            return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        size = jax.tree.leaves(acc)[0].shape[0] // self.v
 
-    def _micro_images(self, image_tokens):
-        """Image tokens per microbatch, typed per stage (only stage 0 uses them; summed over pp after)."""
-        if image_tokens is None:
-            return None
-        return self._varying(image_tokens.reshape(self.m, -1, *image_tokens.shape[1:]), (PP,))
-
-    def _head_loss(self, head, x_BxSxD, targets_BxS, mask_BxS, token_count):
-        return llama.head_loss_sum(head, x_BxSxD, targets_BxS, mask_BxS, self.cfg, self.coll) / token_count
-
-    def _varying(self, tree, axes: tuple[str, ...] | None = None):
-        """Type values as differing per device over `axes` (default: all the pipeline's manual axes)."""
-        return jax.tree.map(lambda x: jax.lax.pcast(x, axes or self.varying, to="varying"), tree)
-
-    def _stage_varying(self, params):
-        """Embedding and head weights are replicated over pp; each stage accumulates its own gradients."""
-        return self._varying(params["embed"], (PP,)), self._varying({k: params[k] for k in HEAD_KEYS}, (PP,))
+        def add(a, g):
+            part = jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0) + g.astype(jnp.float32)
+            return jax.lax.dynamic_update_slice_in_dim(a, part, chunk * size, 0)
+        return jax.tree.map(add, acc, grads)
 
     @staticmethod
     def _zeros_f32(tree):
-        """fp32 gradient accumulators (microbatch gradients are summed in fp32 whatever the compute dtype)."""
         return jax.tree.map(lambda x: jnp.zeros_like(x, dtype=jnp.float32), tree)
 
     @staticmethod
     def _add(acc, grads):
         return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
-    @staticmethod
-    def _micro(batch, m):
-        return jax.tree.map(lambda x: x.reshape(m, -1, *x.shape[1:]), batch)
+    def _data_typed(self, x):
+        """`x` typed as varying over the data axes only (like the loss of a dp shard)."""
+        return jax.lax.pcast(x, self.data_axes, to="varying") if self.data_axes else x
 
-    # --------------------------------------------------------------- 1F1B
-    def one_f_one_b(self, params, batch, token_count, image_tokens=None):
-        """(loss, grads, image-token cotangent): grads of this stage's layers, embed/head summed over pp."""
+    def _rows(self, first: int, count: int) -> dict:
+        t, s = self.table, slice(first, first + count)
+        return {"F": t.forward[s], "Fc": t.forward_chunk[s], "Fs": t.stash["F"][s], "L": t.loss[s],
+                "B": t.backward[s], "Bc": t.backward_chunk[s], "Bs": t.stash["B"][s],
+                "W": t.weight[s], "Wc": t.weight_chunk[s], "Ws": t.stash["W"][s]}
+
+    # --------------------------------------------------------------- slots of one tick
+    def _stage_input(self, ctx, received, row):
+        """This stage's chunk input: the first input on stage 0's chunk 0 (computed by every stage
+        together, for stage 0's microbatch), else what the previous virtual stage sent."""
         stage = jax.lax.axis_index(PP)
-        is_first, is_last = stage == 0, stage == self.p - 1
-        micro = self._micro(batch, self.m)
-        images = self._micro_images(image_tokens)
-        layers = params["layers"]
-        embed, head = self._stage_varying(params)
-        act_shape = micro["targets"].shape[1:] + (self.cfg.d_model,)
-        act_dtype = embed.dtype
+        first_mb = jnp.maximum(row["F"][0], 0)
+        x0 = self.pieces.first_input(ctx["first"], ctx["extra_at"](first_mb), ctx["data_at"](first_mb))
+        return jnp.where((stage == 0) & (row["Fc"][stage] == 0), x0, received)
 
-        def forward(carry, mb):
-            """Forward slot: run microbatch `mb` (or masked garbage) and stash its stage input."""
-            valid, index = mb >= 0, jnp.maximum(mb, 0)
-            image = None if images is None else images[index]
-            x_in = jnp.where(is_first, self._first_input(embed, image, micro["inputs"][index]), carry["recv_fwd"])
-            y = self._stage(layers, x_in)
-            slot = index % self.slots
-            kept = jnp.where(valid, x_in, carry["stash"][slot])
-            return y, {**carry, "stash": jax.lax.dynamic_update_index_in_dim(carry["stash"], kept, slot, 0)}
-
-        def backward(carry, mb, dy_last):
-            """Backward slot: recompute the stage under vjp from the stashed input, push dx upstream."""
-            valid, index = mb >= 0, jnp.maximum(mb, 0)
-            x_in = carry["stash"][index % self.slots]
-            cot = jnp.where(is_last, dy_last, carry["recv_bwd"]) * valid.astype(act_dtype)
-            _, stage_vjp = jax.vjp(self._stage, layers, x_in)
-            d_layers, dx = stage_vjp(cot)
-            image = None if images is None else images[index]
-            _, input_vjp = jax.vjp(lambda t, im: self._first_input(t, im, micro["inputs"][index]), embed, image)
-            d_embed, d_image = input_vjp(dx * is_first.astype(act_dtype))
-            grads = carry["grads"]
-            grads = {**grads, "layers": self._add(grads["layers"], d_layers),
-                     "embed": self._add(grads["embed"], d_embed)}
-            if images is not None:  # zero unless this is stage 0 with a real microbatch
-                carry = {**carry, "d_image": carry["d_image"].at[index].add(d_image.astype(jnp.float32))}
-            return dx, {**carry, "grads": grads}
-
-        def loss_slot(carry, y, mb):
-            """The last stage's loss of the microbatch it just forwarded, and its cotangent."""
-            index = jnp.maximum(mb, 0)
-            weight = ((mb >= 0) & is_last).astype(jnp.float32)
-            loss, head_vjp = jax.vjp(lambda h, x: self._head_loss(h, x, micro["targets"][index],
-                                                                    micro["mask"][index], token_count), head, y)
-            data_axes = tuple(a for a in self.varying if a != PP)  # weight already varies over pp
-            d_head, dy = head_vjp(self._varying(weight, data_axes) if data_axes else weight)
-            grads = {**carry["grads"], "head": self._add(carry["grads"]["head"], d_head)}
-            return dy, {**carry, "grads": grads, "loss": carry["loss"] + weight * loss}
-
-        def warmup_tick(carry, row):
-            y, carry = forward(carry, row["F"][stage])
-            return {**carry, "recv_fwd": jax.lax.ppermute(y, PP, self.send_next)}, None
-
-        def steady_tick(carry, row):
-            y, carry = forward(carry, row["F"][stage])
-            dy, carry = loss_slot(carry, y, row["F"][stage])
-            dx, carry = backward(carry, row["B"][stage], dy)
-            # Pin one order of collectives on every device: this tick's compute (and its tp all-reduces),
-            # then the forward send, then the backward send. XLA:CPU runs independent ops concurrently
-            # and may start independent collectives in a different order per device, which deadlocks;
-            # optimization_barrier does not survive its pipeline, a data dependency does.
-            recv_fwd = jax.lax.ppermute(after(y, dx), PP, self.send_next)
-            recv_bwd = jax.lax.ppermute(after(dx, recv_fwd), PP, self.send_prev)
-            return {**carry, "recv_fwd": recv_fwd, "recv_bwd": recv_bwd}, None
-
-        def cooldown_tick(carry, row):
-            dx, carry = backward(carry, row["B"][stage], jnp.zeros(act_shape, act_dtype))
-            return {**carry, "recv_bwd": jax.lax.ppermute(dx, PP, self.send_prev)}, None
-
-        zeros = self._varying(jnp.zeros(act_shape, act_dtype))
-        carry = {"recv_fwd": zeros, "recv_bwd": zeros,
-                 "stash": self._varying(jnp.zeros((self.slots,) + act_shape, act_dtype)),
-                 "grads": self._zeros_f32({"layers": layers, "embed": embed, "head": head}),
-                 "loss": self._varying(jnp.zeros((), jnp.float32))}
-        if images is not None:
-            carry["d_image"] = self._varying(jnp.zeros(images.shape, jnp.float32))
-        for (name, first, count), tick_fn in zip(self.schedule.phases, (warmup_tick, steady_tick, cooldown_tick)):
-            rows = {"F": jnp.asarray(self.schedule.forward[first:first + count]),
-                    "B": jnp.asarray(self.schedule.backward[first:first + count])}
-            if count:
-                carry, _ = jax.lax.scan(tick_fn, carry, rows)
-        d_image = None if images is None else jax.lax.psum(carry["d_image"], PP).reshape(image_tokens.shape)
-        return (*self._finish(carry["loss"], carry["grads"]), d_image)
-
-    def _finish(self, loss, grads):
-        """Sum the loss and the embed / head gradients over stages (each came from one stage only)."""
-        out = {"layers": grads["layers"], "embed": jax.lax.psum(grads["embed"], PP)}
-        out.update(jax.lax.psum(grads["head"], PP))
-        return jax.lax.psum(loss, PP), out
-
-    # --------------------------------------------------------------- GPipe and forward-only
-    def _forward_ticks(self, layers, embed, head, images, micro, head_fn, sums):
-        """The forward ticks of a GPipe table: the last stage adds `head_fn(head, y, microbatch)` of
-        each real microbatch it finishes to the tree `sums` (masked elsewhere; summed over pp after)."""
+    def _forward_slot(self, ctx, carry, row):
+        """F: run this stage's chunk for its microbatch and stash what its backward needs."""
         stage = jax.lax.axis_index(PP)
-        is_first, is_last = stage == 0, stage == self.p - 1
-        _, first, count = self.schedule.phases[0]
-        rows = jnp.asarray(self.schedule.forward[first:first + count])
+        mb, chunk, slot = row["F"][stage], row["Fc"][stage], row["Fs"][stage]
+        x_in = self._stage_input(ctx, carry["recv_fwd"], row)
+        y, acts = ctx["stash"].forward(self._chunk(ctx["layers"], chunk), x_in)
+        slot = jnp.where(mb >= 0, slot, self.table.stash_slots)  # an idle slot writes the spare entry
+        stash = [jax.lax.dynamic_update_index_in_dim(buf, a, slot, 0) for buf, a in zip(carry["stash"], acts)]
+        return y, {**carry, "stash": stash}
+
+    def _loss_slot(self, ctx, carry, y, row):
+        """L: loss of the microbatch the last virtual stage finished, and its cotangent on every stage."""
+        mb = row["L"]
+        weight = self._data_typed((mb >= 0).astype(jnp.float32))
+        data_mb = ctx["data_at"](jnp.maximum(mb, 0))
+        loss, pullback = jax.vjp(lambda h, t: self.pieces.head_loss(h, t, data_mb), ctx["head"],
+                                 self._broadcast_last(y))
+        d_head, dy_partial = pullback(weight)
+        dy = jax.lax.psum(dy_partial, PP)  # the head's input cotangent, summed over its vocabulary shards
+        grads = {**carry["grads"], "head": self._add(carry["grads"]["head"], d_head)}
+        return dy, {**carry, "grads": grads, "loss": carry["loss"] + weight * loss}
+
+    def _backward_slot(self, ctx, carry, row, dy_last, after_forward):
+        """B: the chunk's backward from its stashed residuals; stage 0 also runs the first input's."""
+        stage = jax.lax.axis_index(PP)
+        mb, chunk, slot = row["B"][stage], row["Bc"][stage], jnp.maximum(row["Bs"][stage], 0)
+        ends = (stage == self.p - 1) & (chunk == self.v - 1)
+        cot = jnp.where(ends, dy_last, carry["recv_bwd"]) * (mb >= 0).astype(dy_last.dtype)
+        if after_forward is not None:  # one collective order on every device (XLA:CPU)
+            cot = after(cot, after_forward)
+        acts = [buf[slot] for buf in carry["stash"]]
+        d_chunk, dx = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
+        if self.split_backward:  # zb: only dx now (XLA drops the weight-gradient dots); W comes later
+            write = jnp.where(mb >= 0, slot, self.table.stash_slots)
+            carry = {**carry, "cot_stash": jax.lax.dynamic_update_index_in_dim(carry["cot_stash"], cot, write, 0)}
+            grads = dict(carry["grads"])
+        else:
+            grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk)}
+        first_mb, first_chunk = row["B"][0], row["Bc"][0]
+        starts = ((first_mb >= 0) & (first_chunk == 0)).astype(dx.dtype)
+        dx0 = jax.lax.psum(jnp.where(stage == 0, dx, jnp.zeros_like(dx)), PP) * starts
+        index = jnp.maximum(first_mb, 0)
+        data_mb = jax.tree.map(lambda a: after(a, dx0), ctx["data_at"](index))
+        extra_mb = ctx["extra_at"](index)
+        _, first_pullback = jax.vjp(lambda f, e: self.pieces.first_input(f, e, data_mb), ctx["first"], extra_mb)
+        d_first, d_extra = first_pullback(dx0)
+        grads["first"] = self._add(grads["first"], d_first)
+        carry = {**carry, "grads": grads}
+        if d_extra is not None:
+            carry["d_extra"] = carry["d_extra"].at[index].add(d_extra.astype(jnp.float32))
+        return dx, carry
+
+    def _weight_slot(self, ctx, carry, row, dependency):
+        """W (zb): the weight gradients of a chunk whose B ran earlier, from its residuals and the output
+        cotangent B kept. The pullback runs again and only its parameter gradients are used."""
+        stage = jax.lax.axis_index(PP)
+        mb, chunk, slot = row["W"][stage], row["Wc"][stage], jnp.maximum(row["Ws"][stage], 0)
+        cot = after(carry["cot_stash"][slot], dependency) * (mb >= 0).astype(dependency.dtype)
+        acts = [buf[slot] for buf in carry["stash"]]
+        d_chunk, _ = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
+        grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk)}
+        return {**carry, "grads": grads}
+
+    def _tick(self, ctx, kinds: str):
+        act_shape, act_dtype = ctx["act"]
 
         def tick(carry, row):
-            recv, sums = carry
-            mb = row[stage]
-            index, weight = jnp.maximum(mb, 0), ((mb >= 0) & is_last).astype(jnp.float32)
-            image = None if images is None else images[index]
-            x_in = jnp.where(is_first, self._first_input(embed, image, micro["inputs"][index]), recv)
-            y = self._stage(layers, x_in)
-            out = head_fn(head, y, jax.tree.map(lambda a: a[index], micro))
-            sums = jax.tree.map(lambda s, o: s + weight * o, sums, out)
-            head_done = sum(jax.tree.leaves(sums))  # the head's collectives come before the send
-            return (jax.lax.ppermute(after(y, head_done), PP, self.send_next), sums), None
+            y = dx = None
+            if "F" in kinds:
+                y, carry = self._forward_slot(ctx, carry, row)
+            dy = jnp.zeros(act_shape, act_dtype)
+            if "L" in kinds:
+                dy, carry = self._loss_slot(ctx, carry, y, row)
+            if "B" in kinds:
+                dx, carry = self._backward_slot(ctx, carry, row, dy, y)
+            if "W" in kinds:
+                carry = self._weight_slot(ctx, carry, row, dx if dx is not None else dy)
+            # Pin one order of the two sends on every device: after this tick's compute (XLA:CPU).
+            if y is not None:
+                carry = {**carry, "recv_fwd": jax.lax.ppermute(y if dx is None else after(y, dx), PP, self.send_next)}
+            if dx is not None:
+                carry = {**carry, "recv_bwd": jax.lax.ppermute(after(dx, carry["recv_fwd"]), PP, self.send_prev)}
+            return carry, None
+        return tick
 
-        recv = self._varying(jnp.zeros(micro["targets"].shape[1:] + (self.cfg.d_model,), embed.dtype))
-        (_, sums), _ = jax.lax.scan(tick, (recv, sums), rows)
-        return sums
+    # --------------------------------------------------------------- 1F1B family
+    def _context(self, params, micro, extra):
+        """What every slot reads: the weights (first / head typed pp-varying), per-microbatch getters,
+        and the stage activation's zeros (typed like a received activation)."""
+        first, head = _to_pp_varying(params["first"]), _to_pp_varying(params["head"])
+        data_at = lambda i: jax.tree.map(lambda a: a[i], micro)  # noqa: E731
+        extra_at = (lambda i: None) if extra is None else (lambda i: extra[i])  # noqa: E731
+        shape = jax.eval_shape(lambda: self.pieces.first_input(first, extra_at(0), data_at(0)))
+        x_zeros = _pcast(jnp.zeros(shape.shape, shape.dtype), self.varying)
+        return {"first": first, "head": head, "layers": params["layers"], "data_at": data_at,
+                "extra_at": extra_at, "act": (shape.shape, shape.dtype), "x0": x_zeros}
 
-    def gpipe(self, params, batch, token_count, image_tokens=None):
-        """All forwards in one scan over ticks, then autodiff: every tick's residuals stay alive (O(m))."""
-        micro = self._micro(batch, self.m)
+    def loss_and_grads(self, params, micro, extra=None):
+        """(loss, grads {"first", "layers", "head"}, cotangent of `extra` or None).
 
-        def total_loss(layers, embed, head, images):
-            def head_loss(h, y, mb):
-                return self._head_loss(h, y, mb["targets"], mb["mask"], token_count)
-            zero = self._varying(jnp.zeros((), jnp.float32))
-            return self._forward_ticks(layers, embed, head, images, micro, head_loss, zero)
+        params: {"first", "layers", "head"} (this device's shards); micro: data with a leading
+        microbatch dim [m, ...]; extra: differentiable first-stage inputs [m, ...] (VLA image tokens).
+        """
+        if self.table.kind == "gpipe":
+            return self._gpipe(params, micro, extra)
+        ctx = self._context(params, micro, extra)
+        ctx["stash"] = self.stash_kind(self.pieces.body, self._chunk(ctx["layers"], 0), ctx["x0"])
+        slots = self.table.stash_slots + 1  # + a spare entry that idle forward slots write
+        stash_zeros = [zeros_typed(a.update(shape=(slots,) + a.shape)) for a in ctx["stash"].stash_avals()]
+        zeros = jnp.zeros_like(ctx["x0"])
+        carry = {"recv_fwd": zeros, "recv_bwd": zeros, "stash": stash_zeros,
+                 "grads": self._zeros_f32({"first": ctx["first"], "layers": ctx["layers"], "head": ctx["head"]}),
+                 "loss": self._data_typed(jnp.zeros((), jnp.float32))}
+        if self.split_backward:
+            carry["cot_stash"] = _pcast(jnp.zeros((slots,) + ctx["act"][0], ctx["act"][1]), self.varying)
+        if extra is not None:
+            carry["d_extra"] = zeros_typed(jax.typeof(extra).update(dtype=jnp.float32))
+        for phase in self.table.phases:
+            rows = jax.tree.map(jnp.asarray, self._rows(phase.first, phase.count))
+            carry, _ = jax.lax.scan(self._tick(ctx, phase.kinds), carry, rows)
+        return carry["loss"], self._finish(params, carry["grads"]), carry.get("d_extra")
 
-        embed, head = self._stage_varying(params)
-        images = self._micro_images(image_tokens)
-        loss, (d_layers, d_embed, d_head, d_images) = jax.value_and_grad(total_loss, argnums=(0, 1, 2, 3))(
-            params["layers"], embed, head, images)
-        d_image = None if images is None else jax.lax.psum(d_images, PP).reshape(image_tokens.shape)
-        return (*self._finish(loss, {"layers": d_layers, "embed": d_embed, "head": d_head}), d_image)
+    @staticmethod
+    def _finish(params, grads):
+        """Sum over stages the gradients of first / head weights that are replicated over pp."""
+        def reduce(tree, original):
+            return jax.tree.map(lambda g, w: g if varies_over(w, PP) else jax.lax.psum(g, PP), tree, original)
+        return {"first": reduce(grads["first"], params["first"]), "layers": grads["layers"],
+                "head": reduce(grads["head"], params["head"])}
 
-    def forward_sums(self, params, batch, head_fn, zero_sums, image_tokens=None):
-        """Forward only (evaluation, with a GPipe table): `head_fn`'s sums over every microbatch."""
-        embed, head = self._stage_varying(params)
-        sums = self._forward_ticks(params["layers"], embed, head, self._micro_images(image_tokens),
-                                   self._micro(batch, self.m), head_fn, self._varying(zero_sums))
-        return jax.lax.psum(sums, PP)  # one variadic all-reduce for the whole tree
+    # --------------------------------------------------------------- forward only: GPipe and evaluation
+    def _forward_phases(self) -> list[tuple[bool, int, int]]:
+        """(with loss, first tick, count): maximal runs of ticks that have forward work, split where the
+        loss slot switches on or off. Evaluation and GPipe run only these."""
+        t, runs = self.table, []
+        for tick in range(t.ticks):
+            if not (t.forward[tick] != IDLE).any():
+                continue
+            with_loss = bool(t.loss[tick] != IDLE)
+            if runs and runs[-1][0] == with_loss and runs[-1][1] + runs[-1][2] == tick:
+                runs[-1] = (with_loss, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((with_loss, tick, 1))
+        return runs
 
-    def loss_and_grads(self, params, batch, token_count, image_tokens=None):
-        """(loss, local gradients, cotangent of the image tokens or None) for this device."""
-        run = self.one_f_one_b if self.schedule.kind == "1f1b" else self.gpipe
-        batch = {k: batch[k] for k in ("inputs", "targets", "mask")}
-        return run(params, batch, token_count, image_tokens)
+    def forward_sums(self, params, micro, extra, head_fn, zero_sums):
+        """Forward only: the sum over microbatches of `head_fn(head, y, data_mb)` (a tree), where y is
+        the last virtual stage's output; head_fn runs on every stage for the same y (spread over pp)."""
+        ctx = self._context(params, micro, extra)
+
+        def tick_fn(with_loss):
+            def tick(carry, row):
+                chunk = row["Fc"][jax.lax.axis_index(PP)]
+                y = self.pieces.body(self._chunk(ctx["layers"], chunk), self._stage_input(ctx, carry["recv"], row))
+                sums = carry["sums"]
+                if with_loss:
+                    weight = (row["L"] >= 0).astype(jnp.float32)
+                    data_mb = ctx["data_at"](jnp.maximum(row["L"], 0))
+                    out = head_fn(ctx["head"], self._broadcast_last(y), data_mb)
+                    sums = jax.tree.map(lambda s, o: s + weight * o, sums, out)
+                    y = after(y, sum(jax.tree.leaves(sums)))  # the head's collectives come before the send
+                return {"recv": jax.lax.ppermute(y, PP, self.send_next), "sums": sums}, None
+            return tick
+
+        carry = {"recv": jnp.zeros_like(ctx["x0"]), "sums": zero_sums}
+        for with_loss, first, count in self._forward_phases():
+            rows = jax.tree.map(jnp.asarray, self._rows(first, count))
+            carry, _ = jax.lax.scan(tick_fn(with_loss), carry, rows)
+        return carry["sums"]
+
+    def _broadcast_last(self, y):
+        """The last stage's `y` on every stage (typed pp-varying, like the head weights it meets)."""
+        last = jax.lax.axis_index(PP) == self.p - 1
+        return jax.lax.pcast(jax.lax.psum(jnp.where(last, y, jnp.zeros_like(y)), PP), (PP,), to="varying")
+
+    def _gpipe(self, params, micro, extra):
+        """All forwards in scans over ticks, then autodiff: every tick's residuals stay alive (O(m))."""
+        def total_loss(p, e):
+            zero = self._data_typed(jnp.zeros((), jnp.float32))
+            return self.forward_sums(p, micro, e, self.pieces.head_loss, zero)
+
+        loss, (grads, d_extra) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, extra)
+        return loss, grads, d_extra
+
+
+# ------------------------------------------------------------------- layer order of interleaved stages
+def layer_order(n_layers: int, stages: int, virtual: int) -> np.ndarray | None:
+    """Which model layer each position of the stored stacked-layer arrays holds, or None for the model's
+    own order (virtual == 1). The layer dim is split over pp in contiguous blocks, so with interleaving
+    device s must find its chunks s, s+p, s+2p, ... next to each other: position (s, j, l) holds layer
+    (j p + s) c + l, c = n_layers / (p v). Checkpoints record the order and restore across it."""
+    if virtual == 1:
+        return None
+    chunk = n_layers // (stages * virtual)
+    s, j, l = np.meshgrid(np.arange(stages), np.arange(virtual), np.arange(chunk), indexing="ij")
+    return ((j * stages + s) * chunk + l).reshape(-1)
+
+
+def reorder_layers(tree, source: np.ndarray | None, target: np.ndarray | None):
+    """Move every stacked-layer leaf (under a top-level "layers" key of a parameter-shaped tree: params,
+    master weights, Adam moments, gradients) from order `source` to order `target` (None: model order)."""
+    if source is None and target is None:
+        return tree
+    n = len(source if source is not None else target)
+    source = np.arange(n) if source is None else source
+    target = np.arange(n) if target is None else target
+    take = np.argsort(source)[target]  # stored position, in the source order, of each target position
+
+    def move(path, leaf):
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        return leaf[take] if keys[:1] == ["layers"] and getattr(leaf, "ndim", 0) and leaf.shape[0] == n else leaf
+    return jax.tree_util.tree_map_with_path(move, tree)

@@ -1,19 +1,48 @@
-"""Pipeline schedules as static tables: tick x stage -> which microbatch runs forward / backward.
+"""Pipeline schedules as static tables for a lockstep SPMD pipeline.
 
-The one table drives the scan in jaxpar.parallel.pipeline, the bubble figure and the picture made by
-scripts/plot_schedule.py, so the three cannot disagree.
+Why a table: every device runs the same program (one shard_map, no per-stage branches: divergent
+collectives deadlock, see docs/design.md), so the pipeline is a scan over ticks in which each device
+reads its own column of a [ticks, stages] table. The one table drives jaxpar.parallel.pipeline, the
+bubble figure and scripts/plot_schedule.py, so the three cannot disagree.
 
-1F1B (PipeDream-flush / Megatron): forward of microbatch i on stage s at tick i + s; the last stage
-computes the loss and starts the backward in the same tick; backward of i on stage s at tick
-i + 2(p-1) - s. Ticks fall into three phases in which every stage does the same kind of work (the
-SPMD program cannot branch per stage, see docs/design.md): p-1 warm-up ticks (forward slot only),
-m steady ticks (forward + backward slot), p-1 cool-down ticks (backward slot only). Stage s holds at
-most 2(p-1-s)+1 <= 2p-1 microbatches in flight, whatever m is.
+A tick has up to four slots, run in this order on every device: forward (F), loss (L, meaningful on
+the last stage only), backward (B) and weight gradient (W, zero-bubble only). A kind costs time in a
+tick when ANY stage has work of that kind (the others compute masked garbage), so the phases are
+maximal runs of ticks with the same set of active kinds: one tick body per phase.
 
-GPipe: all forwards (m+p-1 ticks), then all backwards in reverse order (m+p-1 ticks).
+Invariants the runtime relies on (tests/test_schedule.py checks each):
+- a consumer runs exactly one tick after its producer, so one ppermute per tick carries the
+  activation: F(i, k) = F(i, k-1) + 1 and B(i, k) = B(i, k+1) + 1 for virtual stage k;
+- B(i, last) runs in the tick of F(i, last), after L made the loss and its cotangent (not gpipe,
+  whose backward is autodiff of the forward scan; its table is still truthful);
+- W(i, k) >= B(i, k); each (microbatch, virtual stage, kind) runs once; a stage runs at most one
+  item of a kind per tick.
 
-Both execute (m+p-1) forward slots and (m+p-1) backward slots per stage, of which m each are busy:
-the idle (bubble) fraction is (p-1)/(m+p-1).
+Virtual stages (Megatron interleaving): virtual stage k = chunk * p + stage, so device s holds chunks
+s, s+p, s+2p, ...; with v > 1 activations also go round the ring p-1 -> 0 (F) and 0 -> p-1 (B).
+
+1f1b: microbatch i = g p + r (r < p) has base tick b = g v p + r; F(i, k) = b + k and
+B(i, k) = b + 2(vp - 1) - k. With v = 1 this is PipeDream-flush (F at i + s, B at i + 2(p-1) - s;
+phases F x (p-1), FLB x m, B x (p-1)). With v > 1 (m % p == 0) each device forwards p microbatches
+through one chunk, then the same p through its next chunk; F and B are each active in vm + p - 1
+ticks of 1/v the work, so the bubble is (p-1)/(vm+p-1). L is active only in the ticks where chunk
+v-1 of the last stage forwards, so the steady state alternates FLB and FB phases.
+gpipe: all forwards, then all backwards in reverse order (phases F, FL, B).
+zb (zero bubble, Qi et al. 2023): the backward is split into B (input gradient, on the critical
+path) and W (weight gradient, which may come late). F and B are 1f1b's; W(i) runs on EVERY stage in
+the tick of stage 0's B(i) = i + 2(p-1), so W is active in only m ticks (p=4, m=8: F x3, FLB x3,
+FLBW x5, BW x3, B x3).
+
+Why zb gives 2/3 of 1F1B's bubble here, not ZB-H1's 1/3: ZB-H1 fills each device's own idle time
+with its delayed W's, which needs per-device timing. In lockstep, stage 0's m forward ticks T and the
+chain F(i, k) = F(i, 0) + k make F active in T + {0..p-1}: at least m + p - 1 ticks; likewise B; W
+needs m. So any schedule obeying the invariants costs at least (m+p-1)(tF+tB) + m tW, and zb reaches
+it: bubble (p-1)(tF+tB) against 1F1B's (p-1)(tF+tB+tW), whose B includes W; 2/3 when tF=tB=tW.
+
+Stash: F writes its stage input to a slot that B (and W for zb) reads. A slot is live from its F
+tick to its last use, inclusive (F runs before B/W in a tick, so a slot freed at t is reusable at
+t+1). Slots are allocated statically per stage, greedily (lowest free slot) in F order, which is
+optimal for intervals: stash_slots = max over stages of the peak live entries (in_flight()).
 """
 
 from __future__ import annotations
@@ -23,90 +52,186 @@ import dataclasses
 import numpy as np
 
 IDLE = -1
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zb")
+KINDS = "FLBW"
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Ticks first .. first+count-1, in each of which exactly the slot kinds in `kinds` are active."""
+
+    kinds: str  # subset of "FLBW" in that order
+    first: int
+    count: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """One column of the executed program: a forward or a backward slot of one tick."""
+    """One executed column of the program (for pictures): one kind in one tick, every stage's item."""
 
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W"
     tick: int
-    microbatch_per_stage: tuple[int, ...]  # IDLE where the stage has nothing to do
+    microbatch_per_stage: tuple[int, ...]  # IDLE where the stage computes masked garbage
+    chunk_per_stage: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
+    """The static program of one pipelined step; tables are indexed [tick, stage]."""
+
     kind: str
     stages: int
     microbatches: int
+    virtual: int
     forward: np.ndarray  # [ticks, stages] microbatch index or IDLE
-    backward: np.ndarray  # [ticks, stages]
-    phases: tuple[tuple[str, int, int], ...]  # (name, first tick, tick count); name in warmup/steady/cooldown/...
+    forward_chunk: np.ndarray  # [ticks, stages] local chunk 0..virtual-1 (0 where IDLE)
+    backward: np.ndarray
+    backward_chunk: np.ndarray
+    weight: np.ndarray  # all IDLE unless kind == "zb"
+    weight_chunk: np.ndarray
+    loss: np.ndarray  # [ticks] microbatch whose last virtual stage forwards in this tick, or IDLE
+    stash: dict  # {"F": slot written, "B": slot read, "W": slot read}, [ticks, stages], IDLE where no work
+    stash_slots: int
+    phases: tuple[Phase, ...]
 
     @property
     def ticks(self) -> int:
         return self.forward.shape[0]
 
+    def table(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """(microbatch, chunk) tables of slot kind "F", "B" or "W"."""
+        return {"F": (self.forward, self.forward_chunk), "B": (self.backward, self.backward_chunk),
+                "W": (self.weight, self.weight_chunk)}[kind]
+
     def slots(self) -> list[Slot]:
-        """The executed F/B slots in time order: warm-up ticks only run F, cool-down ticks only B."""
+        """The executed F/B/W columns in program order (L is not a column: it is not stage work)."""
         out = []
-        for name, first, count in self.phases:
-            kinds = {"warmup": "F", "steady": "FB", "cooldown": "B", "forward": "F", "backward": "B"}[name]
-            for tick in range(first, first + count):
-                for kind in kinds:
-                    table = self.forward if kind == "F" else self.backward
-                    out.append(Slot(kind, tick, tuple(int(v) for v in table[tick])))
+        for phase in self.phases:
+            for tick in range(phase.first, phase.first + phase.count):
+                for kind in phase.kinds.replace("L", ""):
+                    mb, chunk = self.table(kind)
+                    out.append(Slot(kind, tick, tuple(map(int, mb[tick])), tuple(map(int, chunk[tick]))))
         return out
 
+    @property
+    def costs(self) -> dict[str, int]:
+        """Relative time of a slot kind: B does the weight gradient too unless zb splits it off as W."""
+        return {"F": 1, "B": 1, "W": 1} if self.kind == "zb" else {"F": 1, "B": 2}
+
+    def _idle(self, costs: dict) -> float:
+        """1 - busy / executed over every executed column, each weighted by its kind's cost."""
+        executed = busy = 0.0
+        for slot in self.slots():
+            executed += costs[slot.kind] * self.stages
+            busy += costs[slot.kind] * sum(mb != IDLE for mb in slot.microbatch_per_stage)
+        return 1.0 - busy / executed
+
+    def bubble_fraction(self) -> float:
+        """Idle share of executed time, weighted by `costs` (L is not counted)."""
+        return self._idle(self.costs)
+
     def idle_fraction(self) -> float:
-        cells = [mb for slot in self.slots() for mb in slot.microbatch_per_stage]
-        return sum(mb == IDLE for mb in cells) / len(cells)
+        """Unweighted idle share of executed F/B/W cells (the old figure; prefer bubble_fraction)."""
+        return self._idle({"F": 1, "B": 1, "W": 1})
 
     def in_flight(self) -> np.ndarray:
-        """Per stage, the most microbatches forwarded but not yet backwarded at any tick."""
-        peak = np.zeros(self.stages, int)
-        for stage in range(self.stages):
-            live = 0
-            for tick in range(self.ticks):
-                live += self.forward[tick, stage] != IDLE
-                peak[stage] = max(peak[stage], live)
-                live -= self.backward[tick, stage] != IDLE
-        return peak
+        """Per stage, the peak number of live stash entries (each one chunk's stage input)."""
+        written = np.cumsum(self.stash["F"] != IDLE, axis=0)
+        last = self.stash["W" if self.kind == "zb" else "B"] != IDLE
+        freed_before = np.cumsum(last, axis=0) - last
+        return (written - freed_before).max(axis=0)
 
 
-def ideal_bubble(stages: int, microbatches: int) -> float:
-    return (stages - 1) / (microbatches + stages - 1)
+def ideal_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """(p-1)/(vm+p-1): 1f1b's (interleaved or not) and gpipe's bubble_fraction, for the planner."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
-def one_f_one_b(stages: int, microbatches: int) -> Schedule:
-    p, m = stages, microbatches
-    ticks = m + 2 * (p - 1)
-    forward = np.full((ticks, p), IDLE, int)
-    backward = np.full((ticks, p), IDLE, int)
-    for i in range(m):
-        for s in range(p):
-            forward[i + s, s] = i
-            backward[i + 2 * (p - 1) - s, s] = i
-    phases = (("warmup", 0, p - 1), ("steady", p - 1, m), ("cooldown", m + p - 1, p - 1))
-    return Schedule("1f1b", p, m, forward, backward, phases)
+def _check(kind: str, stages: int, microbatches: int, virtual: int) -> None:
+    """One line per mistake, naming the cause and the fix."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule '{kind}'; use one of {', '.join(SCHEDULES)}")
+    if stages < 1:
+        raise ValueError(f"stages={stages} must be >= 1")
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches} must be >= 1")
+    if virtual < 1:
+        raise ValueError(f"virtual={virtual} must be >= 1 (model chunks per stage; 1 = no interleaving)")
+    if virtual > 1 and kind != "1f1b":
+        raise ValueError(f"schedule '{kind}' does not interleave (virtual={virtual}); use virtual=1, "
+                         "or schedule '1f1b' to interleave")
+    if virtual > 1 and microbatches % stages:
+        fit = -(-microbatches // stages) * stages
+        raise ValueError(f"interleaved 1f1b (virtual={virtual}) needs microbatches ({microbatches}) divisible "
+                         f"by stages ({stages}); use microbatches={fit} or virtual=1")
 
 
-def gpipe(stages: int, microbatches: int) -> Schedule:
-    p, m = stages, microbatches
-    half = m + p - 1
-    forward = np.full((2 * half, p), IDLE, int)
-    backward = np.full((2 * half, p), IDLE, int)
-    for i in range(m):
-        for s in range(p):
-            forward[i + s, s] = i
-            backward[half + (m - 1 - i) + (p - 1 - s), s] = i
-    return Schedule("gpipe", p, m, forward, backward, (("forward", 0, half), ("backward", half, half)))
-
-
-def build(kind: str, stages: int, microbatches: int) -> Schedule:
-    if kind == "1f1b":
-        return one_f_one_b(stages, microbatches)
+def _item_ticks(kind: str, p: int, m: int, v: int) -> dict[str, np.ndarray]:
+    """Tick of every work item, [m, v p] per kind, indexed by (microbatch, virtual stage)."""
+    i, k = np.arange(m)[:, None], np.arange(v * p)[None, :]
     if kind == "gpipe":
-        return gpipe(stages, microbatches)
-    raise ValueError(f"unknown pipeline schedule '{kind}'; use one of {', '.join(SCHEDULES)}")
+        half = m + p - 1
+        return {"F": i + k, "B": half + (m - 1 - i) + (p - 1 - k)}
+    base = (i // p) * v * p + i % p
+    ticks = {"F": base + k, "B": base + 2 * (v * p - 1) - k}
+    if kind == "zb":
+        ticks["W"] = np.broadcast_to(i + 2 * (p - 1), ticks["F"].shape)
+    return ticks
+
+
+def _fill(item_ticks: np.ndarray, ticks: int, p: int) -> tuple[np.ndarray, np.ndarray]:
+    """[ticks, stages] microbatch and chunk tables from item ticks; refuses two items in one cell."""
+    mb, chunk = np.full((ticks, p), IDLE), np.zeros((ticks, p), int)
+    for (i, k), t in np.ndenumerate(item_ticks):
+        if mb[t, k % p] != IDLE:
+            raise AssertionError(f"two items in tick {t} on stage {k % p}")
+        mb[t, k % p], chunk[t, k % p] = i, k // p
+    return mb, chunk
+
+
+def _stash(item: dict[str, np.ndarray], ticks: int, p: int) -> tuple[dict, int]:
+    """Greedy lowest-free-slot allocation per stage, in F order, of the intervals [F, last use]."""
+    last = item["W"] if "W" in item else item["B"]
+    slot_of = np.full(item["F"].shape, IDLE)
+    for s in range(p):
+        free_after: list[int] = []  # per slot, the last tick it is live
+        own = [(i, k) for k in range(s, item["F"].shape[1], p) for i in range(item["F"].shape[0])]
+        for i, k in sorted(own, key=lambda ik: item["F"][ik]):
+            slot = next((n for n, t in enumerate(free_after) if t < item["F"][i, k]), len(free_after))
+            free_after[slot:slot + 1] = [last[i, k]]
+            slot_of[i, k] = slot
+    stash = {}
+    for name, when in item.items():
+        table = np.full((ticks, p), IDLE)
+        for (i, k), t in np.ndenumerate(when):
+            table[t, k % p] = slot_of[i, k]
+        stash[name] = table
+    stash.setdefault("W", np.full((ticks, p), IDLE))
+    return stash, int(slot_of.max()) + 1
+
+
+def _phases(active: np.ndarray) -> tuple[Phase, ...]:
+    """Maximal runs of ticks with the same active kinds; `active` is [ticks, 4] over F, L, B, W."""
+    names = ["".join(c for c, on in zip(KINDS, row) if on) for row in active]
+    phases, first = [], 0
+    for t in range(1, len(names) + 1):
+        if t == len(names) or names[t] != names[first]:
+            phases.append(Phase(names[first], first, t - first))
+            first = t
+    return tuple(phases)
+
+
+def build(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The table of schedule `kind` for p stages, m microbatches and v model chunks per stage."""
+    _check(kind, stages, microbatches, virtual)
+    p, m, v = stages, microbatches, virtual
+    item = _item_ticks(kind, p, m, v)
+    ticks = 1 + max(int(t.max()) for t in item.values())
+    tables = {name: _fill(item.get(name, np.empty((0, 0), int)), ticks, p) for name in "FBW"}
+    loss = np.full(ticks, IDLE)
+    loss[item["F"][:, -1]] = np.arange(m)
+    stash, slots = _stash(item, ticks, p)
+    active = np.stack([tables["F"][0].max(1) > IDLE, loss > IDLE, tables["B"][0].max(1) > IDLE,
+                       tables["W"][0].max(1) > IDLE], axis=1)
+    return Schedule(kind, p, m, v, *tables["F"], *tables["B"], *tables["W"], loss, stash, slots,
+                    _phases(active))

@@ -16,6 +16,7 @@ Design (docs/design.md has the longer story):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -31,7 +32,8 @@ from jaxpar.layers.collectives import Collectives
 from jaxpar.models import llama, vit, vla
 from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import remat, schedule as pipeline_schedule
-from jaxpar.parallel.pipeline import Pipeline
+from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
+from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
 from jaxpar.parallel.zero import reduce_gradients
 from jaxpar.sharding import DP, StateSpecs, llm_rules, tensor_axes, zero_dim
@@ -123,8 +125,19 @@ class StepBuilder:
         shapes = self._param_shapes()
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
 
+    def layer_order(self):
+        """Order of the stored stacked layers (None: the model's; interleaved stages reorder them)."""
+        return pipeline_layer_order(self.config.model.n_layers, self.mesh.shape["pp"],
+                                    self.config.pipeline.virtual_stages)
+
+    def to_model_order(self, tree):
+        return reorder_layers(tree, self.layer_order(), None)
+
+    def from_model_order(self, tree):
+        return reorder_layers(tree, None, self.layer_order())
+
     def _init(self, key) -> TrainState:
-        master = llama.init(self.config.model, key)
+        master = self.from_model_order(llama.init(self.config.model, key))
         if self.vision is not None:
             master.update(vit.init(self.config.vision, self.config.model.d_model, key))
         return TrainState(
@@ -205,7 +218,7 @@ class StepBuilder:
         if self.dp_axis and not self.gathers_weights:  # local gradients per dp rank; reduced explicitly below
             params = jax.lax.pcast(params, (DP,), to="varying")
         if self.mesh.shape["pp"] > 1:
-            return self._pipeline(coll, policy).loss_and_grads(params, batch, token_count, image_tokens)
+            return self._pipelined_loss_and_grads(params, batch, image_tokens, token_count, coll, policy)
 
         if self.taps_grads:  # the taps' values are never used, only their shape and type
             frozen, dp = jax.lax.stop_gradient(params), self.mesh.shape[DP]
@@ -234,11 +247,53 @@ class StepBuilder:
             (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), rest)
         return loss, grads, None
 
-    def _pipeline(self, coll, policy) -> Pipeline:
+    def head_collectives(self, coll: Collectives) -> Collectives:
+        """With a pipeline the vocabulary (embedding, LM head, loss) is split over pp x tp: every stage
+        computes its share of the first input and of the head for the same microbatch."""
+        if self.mesh.shape["pp"] == 1:
+            return coll
+        tp = tensor_axes(self.mesh) if self.config.mesh.tp > 1 else ()
+        return dataclasses.replace(coll, tp_axis=("pp",) + (tp if isinstance(tp, tuple) else (tp,)))
+
+    def stage_pieces(self, coll: Collectives, policy, token_count=1.0) -> StagePieces:
+        """The LLM (or the VLA's LLM) cut into the pipeline's three pieces."""
+        cfg, head_coll, prefix_len = self.config.model, self.head_collectives(coll), self.prefix_len
+
+        def first_input(first, image_tokens, data):
+            if image_tokens is None:
+                return llama.embed_tokens(first, data["inputs"], head_coll)
+            return vla.llm_inputs(first, image_tokens, data["inputs"], head_coll)
+
+        def body(layers, x):
+            return llama.run_layers(x, layers, cfg, coll, policy, prefix_len)
+
+        def head_loss(head, y, data):
+            return llama.head_loss_sum(head, y, data["targets"], data["mask"], cfg, head_coll) / token_count
+
+        return StagePieces(first_input, body, head_loss)
+
+    def pipeline(self, coll: Collectives, policy, token_count=1.0, schedule: str | None = None) -> Pipeline:
         pipe = self.config.pipeline
-        table = pipeline_schedule.build(pipe.schedule, self.mesh.shape["pp"], pipe.microbatches)
+        table = pipeline_schedule.build(schedule or pipe.schedule, self.mesh.shape["pp"], pipe.microbatches,
+                                        pipe.virtual_stages)
         varying = ("pp",) + ((DP,) if self.dp_axis else ())
-        return Pipeline(table, self.config.model, coll, policy, varying, self.prefix_len)
+        return Pipeline(table, self.stage_pieces(coll, policy, token_count), varying, pipe.stage_recompute)
+
+    def pipeline_inputs(self, params, batch, image_tokens):
+        """The LLM's weights as the pipeline's pieces, and the batch (and image tokens) by microbatch."""
+        m = self.config.pipeline.microbatches
+        micro = {k: v.reshape(m, -1, *v.shape[1:]) for k, v in batch.items()}
+        extra = None if image_tokens is None else image_tokens.reshape(m, -1, *image_tokens.shape[1:])
+        split = {"first": {"embed": params["embed"]}, "layers": params["layers"],
+                 "head": {k: params[k] for k in llama.HEAD_AXES}}
+        return split, micro, extra
+
+    def _pipelined_loss_and_grads(self, params, batch, image_tokens, token_count, coll, policy):
+        split, micro, extra = self.pipeline_inputs(params, {k: batch[k] for k in ("inputs", "targets", "mask")},
+                                                   image_tokens)
+        loss, grads, d_extra = self.pipeline(coll, policy, token_count).loss_and_grads(split, micro, extra)
+        grads = {**grads["first"], "layers": grads["layers"], **grads["head"]}
+        return loss, grads, None if d_extra is None else d_extra.reshape(image_tokens.shape)
 
     def _dp_sum(self, x):
         return jax.lax.psum(x, DP) if self.dp_axis else x

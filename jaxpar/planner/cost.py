@@ -1,10 +1,26 @@
 """Step-time model: compute, tensor / data / pipeline communication and the pipeline bubble, apart.
 
-Compute is the FLOPs a device executes (model FLOPs / devices, plus what remat and 1F1B's stage
-recompute add, plus the embedding / LM head every pipeline stage computes masked) at
-`matmul_efficiency` x peak. Communication is ring collectives at link bandwidth, not overlapped
-with compute (jaxpar issues them in line; XLA may overlap some, so this errs slow). The bubble is the
-schedule table's idle fraction (jaxpar.parallel.schedule) of the pipeline's compute time.
+FLOPs are matmul FLOPs (what `jaxpar.hlo.executed_flops` counts in the compiled program; elementwise
+work is not counted on either side), for the pipeline as jaxpar runs it once 1F1B keeps its vjp
+residuals (issue 14):
+- decoder layers: forward + backward (input and weight gradients: 2 x forward) + what `remat.policy`
+  recomputes in the backward (`full`: the layer forward again, less its last projection, whose output
+  the backward never needs and XLA drops; `selective` / `offload`: the QK^T scores; `none` / `dots`:
+  nothing); `pipeline.stage_recompute=true` adds one whole stage forward per microbatch (the ring-
+  buffer pipeline before the rewrite). With a pipeline every executed slot computes, masked or not:
+  the layers cost the schedule table's executed slots (jaxpar.parallel.schedule; 1f1b: v m + p - 1 F
+  and B chunk slots, x 1 / (1 - bubble_fraction); zb splits B into input-gradient B and weight-
+  gradient W slots, each costed on its own).
+- LM head: its vocabulary is split over pp x tp, so each device runs 1/(pp tp) of the head matmul
+  (forward, input and weight gradient) for every microbatch of its dp shard; no bubble factor.
+  The embedding is a gather: no matmul.
+- VLA encoder + projector: data-parallel over all devices, once per step; patch embedding and
+  projector are replicated inside a vision tp group; the patch embedding needs no input gradient.
+Compute runs at `matmul_efficiency` x peak. Communication is ring collectives at link bandwidth, not
+overlapped with compute (jaxpar issues them in line; XLA may overlap some, so this errs slow). The
+bubble's seconds are the idle slots' share of the layers' executed FLOPs (= the table's
+bubble_fraction for 1f1b and gpipe, and for zb when F, B and W cost the same), applied to the layer
+compute and its tp all-reduces: masked slots compute and communicate like busy ones.
 Placement follows jaxpar.mesh: tp fastest-varying (inside a node when tp <= GPUs per node), pp next,
 dp outermost.
 """
@@ -13,13 +29,125 @@ from __future__ import annotations
 
 from jaxpar.config import Config
 from jaxpar.metrics import model_flops_per_step
-from jaxpar.models import llama
-from jaxpar.parallel import schedule as schedules
+from jaxpar.models import vit
 from jaxpar.planner.hardware import GB, Hardware
-from jaxpar.planner.memory import local_params, microbatch, seq_len
+from jaxpar.planner.memory import (Block, llm_block, local_params, microbatch, pipeline_field, pipeline_table,
+                                  seq_len, vision_data_ways, vit_block)
 
-# Extra forward passes of the decoder layers per step, in units of one forward (backward = 2 forwards).
-RECOMPUTE = {"none": 0.0, "dots": 0.15, "selective": 0.1, "offload": 0.1, "full": 1.0}
+# The parts of one layer's forward each remat policy computes again in the backward (layer_forward keys).
+RECOMPUTED = {"none": (), "dots": (), "selective": ("scores",), "offload": ("scores",),
+              "full": ("qkv", "scores", "values", "out", "mlp_in")}
+
+
+def bubble_fraction(config: Config) -> float:
+    """Idle share of the executed pipeline slots from the schedule table (cost-weighted: F=1, B=2;
+    zb F=B=W=1), 0 without a pipeline; closed forms when the table cannot be built."""
+    p, m, v = config.mesh.pp, config.pipeline.microbatches, pipeline_field(config, "virtual_stages", 1)
+    if p <= 1:
+        return 0.0
+    table = pipeline_table(config)
+    if table is None:
+        idle = 2 * (p - 1) if config.pipeline.schedule == "zb" else p - 1
+        return idle / ((3 if config.pipeline.schedule == "zb" else 1) * v * m + idle)
+    return float(getattr(table, "bubble_fraction", getattr(table, "idle_fraction", None))())
+
+
+def slot_counts(config: Config) -> dict[str, int]:
+    """Chunk slots of each kind (F, B, W) one device executes: the ticks in which the kind is active
+    anywhere, since a stage without work computes masked garbage (1f1b: v m + p - 1 F and B; zb: m + p
+    - 1 F and B, m W). Without a pipeline: one F and one B per pass, no idle slot."""
+    p, m, v = config.mesh.pp, config.pipeline.microbatches, pipeline_field(config, "virtual_stages", 1)
+    if p <= 1:
+        return {"F": 1, "B": 1, "W": 0}
+    table = pipeline_table(config)
+    phases = getattr(table, "phases", ())
+    if table is None or not all(hasattr(ph, "kinds") for ph in phases):
+        zb = config.pipeline.schedule == "zb"
+        return {"F": v * m + p - 1, "B": v * m + p - 1, "W": m if zb else 0}
+    return {k: sum(ph.count for ph in phases if k in ph.kinds) for k in "FBW"}
+
+
+def layer_forward(blk: Block, b: int, s: int) -> dict[str, float]:
+    """Matmul FLOPs of one layer's forward on one tp rank, b sequences of s tokens, by part. The
+    attention scores and values are full s x s matmuls (XLA's attention masks, it does not skip)."""
+    t = b * s
+    ups = 2 if blk.gated else 1
+    parts = {"qkv": 2.0 * t * blk.d * (blk.q + 2 * blk.kv), "scores": 2.0 * b * s * s * blk.q,
+             "values": 2.0 * b * s * s * blk.q, "out": 2.0 * t * blk.q * blk.d,
+             "mlp_in": 2.0 * t * blk.d * blk.f * ups, "mlp_out": 2.0 * t * blk.f * blk.d}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def recompute(fwd: dict[str, float], policy: str, output_needed: bool = False) -> float:
+    """What `policy` computes again in one layer's backward. Full remat skips the last projection,
+    unless the layer's output itself feeds a gradient (the ViT's FiLM scale multiplies it)."""
+    extra = sum(fwd[k] for k in RECOMPUTED[policy])
+    return extra + (fwd["mlp_out"] if policy == "full" and output_needed else 0.0)
+
+
+def llm_flops(config: Config) -> dict[str, float]:
+    """Executed FLOPs per device: decoder layers in every executed slot (and the busy share), LM head.
+
+    Costs per (stage, microbatch): F = forward; B = input + weight gradients (2 forwards; zb: the input
+    gradient only, 1) + the remat recompute + with stage_recompute the stage forward again (its output
+    is unused: when a chunk is one layer, XLA drops that layer's down projection, or with full remat,
+    which saves nothing, its whole forward; a longer layer scan runs one body for every layer and
+    keeps it); zb: B = the backward less its weight-gradient matmuls, W = the whole backward again less
+    the chunk input's gradient (jaxpar's W re-runs the pullback). A chunk slot is 1/v of the stage."""
+    mesh, m = config.mesh, config.model
+    s, b = seq_len(config), microbatch(config)
+    pipelined, policy = mesh.pp > 1, config.remat.policy
+    passes = config.pipeline.microbatches if pipelined else config.train.grad_accum
+    v = pipeline_field(config, "virtual_stages", 1) if pipelined else 1
+    fwd, layers = layer_forward(llm_block(config), b, s), m.n_layers // mesh.pp
+    again = layers * recompute(fwd, policy)
+    if pipelined and pipeline_field(config, "stage_recompute", False):
+        dead = fwd["total" if policy == "full" else "mlp_out"] if layers == v else 0.0
+        again += layers * fwd["total"] - v * dead
+    zb = pipelined and config.pipeline.schedule == "zb"
+    # zb: B is the backward less the weight-gradient matmuls (one per weight matmul of the forward; the
+    # attention core has no weights, so its whole backward is in B); W runs the chunk's pullback again
+    # and keeps only the weight gradients: a whole backward but for the chunk input's Q/K/V input
+    # gradients (jaxpar.parallel.pipeline: JAX cannot hand out each matmul's output cotangent)
+    weights = fwd["total"] - fwd["scores"] - fwd["values"]
+    backward = 2 * layers * fwd["total"] + again
+    cost = {"F": layers * fwd["total"], "B": backward - layers * weights if zb else backward,
+            "W": backward - v * fwd["qkv"] if zb else 0.0}
+    slots = slot_counts(config)
+    executed = sum(slots[k] * cost[k] for k in "FBW") / v * (1 if pipelined else passes)
+    head = passes * 3 * 2.0 * b * s * m.d_model * m.vocab_size / (mesh.tp * mesh.pp)
+    return {"layers": executed, "layers_busy": passes * sum(cost.values()), "head": head}
+
+
+def vision_flops(config: Config) -> float:
+    """Executed FLOPs per device of the VLA's encoder, FiLM and projector (once per step)."""
+    if config.model.kind != "vla":
+        return 0.0
+    v, d = config.vision, config.model.d_model
+    images = config.train.global_batch_size // vision_data_ways(config) * v.cameras
+    n = vit.patches_per_image(v)
+    fwd = layer_forward(vit_block(config), images, n)
+    blocks = v.depth * (3 * fwd["total"] + recompute(fwd, v.remat.policy, output_needed=v.film))
+    patch = 2 * 2.0 * images * n * v.patch_size ** 2 * v.channels * v.width  # forward + weight gradient
+    projector = 3 * 2.0 * images * n * (v.width * v.projector_dim + v.projector_dim * d)
+    film = 0.0
+    if v.film:  # the mean byte embedding (its gradient is an outer product: no matmul), the projection
+        examples = config.train.global_batch_size // vision_data_ways(config)
+        film = 2.0 * examples * v.width * (config.actions.instruction_len + 3 * v.depth * 2 * v.width)
+    return blocks + patch + projector + film
+
+
+def compute_flops(config: Config) -> dict:
+    """Model FLOPs per step (for MFU), per device, and the FLOPs one device executes, by part."""
+    model = model_flops_per_step(config, seq_len(config))
+    llm = llm_flops(config)
+    vision = vision_flops(config)
+    return {"model_flops": model, "model_flops_per_device": model / config.mesh.size,
+            "executed_flops_per_device": llm["layers"] + llm["head"] + vision,
+            "executed_parts": {"layers": llm["layers"], "head": llm["head"], "vision": vision},
+            "layers_busy_flops_per_device": llm["layers_busy"],
+            "bubble_fraction": bubble_fraction(config)}
 
 
 def link_bandwidth(group_stride: int, group_size: int, gpus_per_node: int, hw: Hardware) -> tuple[float, str]:
@@ -37,51 +165,44 @@ def ring_allreduce_s(nbytes: float, n: int, bandwidth: float) -> float:
     return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / bandwidth
 
 
-def compute_flops(config: Config) -> dict:
-    """Model FLOPs per step (for MFU) and the FLOPs one device executes."""
-    m, mesh = config.model, config.mesh
-    s = seq_len(config)
-    model = model_flops_per_step(config, s)
-    tokens = config.train.global_batch_size * s
-    head = 6.0 * m.d_model * m.vocab_size * tokens
-    layers = model - head - (model - llama.flops_per_token(m, s) * tokens)  # the decoder layers
-    extra = RECOMPUTE[config.remat.policy] * layers / 3
-    if mesh.pp > 1 and config.pipeline.schedule == "1f1b":
-        extra += layers / 3  # the stage forward again under vjp in the backward slot
-    executed = (model + extra) / mesh.size
-    if mesh.pp > 1:  # every stage computes the embedding and head, masked, in every tick
-        executed += head / (mesh.dp * mesh.tp) * (1 - 1 / mesh.pp)
-    return {"model_flops": model, "executed_flops_per_device": executed}
+def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
+    """tp all-reduces of the busy slots, the dp gradient sync and the pp traffic, in seconds."""
+    mesh, m = config.mesh, config.model
+    c = 2 if config.precision == "bf16" else 4
+    p = mesh.pp
+    passes = config.pipeline.microbatches if p > 1 else config.train.grad_accum
+    activation = c * microbatch(config) * seq_len(config) * m.d_model  # one [b, s, d] in compute dtype
+    # tp: 2 all-reduces per layer forward, 2 backward, 2 more per recomputed forward (full remat, stage recompute)
+    forwards = 1 + (config.remat.policy == "full") + (p > 1 and bool(pipeline_field(config, "stage_recompute", False)))
+    tp_bw, tp_link = link_bandwidth(1, mesh.tp, gpus_per_node, hw)
+    tp_s = ring_allreduce_s((2 * forwards + 2) * (m.n_layers // p) * passes * activation, mesh.tp, tp_bw)
+    # dp: ZeRO 0-2 move 2 Psi (reduce-scatter + all-gather), ZeRO-3 3 Psi
+    counts = local_params(config)
+    dp_bw, dp_link = link_bandwidth(mesh.pp * mesh.tp, mesh.dp, gpus_per_node, hw)
+    dp_s = ring_allreduce_s(c * (counts["llm_layers"] + counts["llm_rest"]), mesh.dp, dp_bw) * (
+        1.5 if config.zero.stage == 3 else 1.0)
+    # pp: one activation per executed F slot and one cotangent per B slot, point to point; per
+    # microbatch 4 all-reduces over pp (embedding output and last hidden state, forward and backward)
+    pp_bw, pp_link = link_bandwidth(mesh.tp, p, gpus_per_node, hw)
+    slots = slot_counts(config)
+    pp_s = 0.0 if p == 1 else ((slots["F"] + slots["B"]) * activation / pp_bw
+                               + 4 * passes * ring_allreduce_s(activation, p, pp_bw))
+    return {"tp_comm_s": tp_s, "dp_comm_s": dp_s, "pp_comm_s": pp_s,
+            "links": {"tp": tp_link, "dp": dp_link, "pp": pp_link}}
 
 
 def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     """Seconds per step, by part, and the MFU this implies."""
-    mesh, m = config.mesh, config.model
-    c = 2 if config.precision == "bf16" else 4
     flops = compute_flops(config)
-    busy = flops["executed_flops_per_device"] / (hw.peak_flops * hw.matmul_efficiency)
-    p, mb = mesh.pp, config.pipeline.microbatches
-    bubble = busy * schedules.ideal_bubble(p, mb) / (1 - schedules.ideal_bubble(p, mb)) if p > 1 else 0.0
-    tokens_local = microbatch(config) * seq_len(config)
-    passes = (config.pipeline.microbatches if p > 1 else config.train.grad_accum)
-    # tp: 2 all-reduces per layer forward, 2 backward, 2 more per recomputed forward; [t, d] each
-    fwd_per_step = 1 + (1 if config.remat.policy == "full" else 0) + (1 if p > 1 and config.pipeline.schedule == "1f1b" else 0)
-    tp_bw, tp_link = link_bandwidth(1, mesh.tp, gpus_per_node, hw)
-    tp_bytes = (2 * fwd_per_step + 2) * (m.n_layers // p) * passes * c * tokens_local * m.d_model
-    tp_s = ring_allreduce_s(tp_bytes, mesh.tp, tp_bw)
-    # dp: ZeRO 0-2 move 2 Psi (reduce-scatter + all-gather), ZeRO-3 3 Psi
-    counts = local_params(config)
-    psi = counts["llm_layers"] + counts["llm_rest"]
-    dp_bw, dp_link = link_bandwidth(mesh.pp * mesh.tp, mesh.dp, gpus_per_node, hw)
-    dp_s = ring_allreduce_s(c * psi, mesh.dp, dp_bw) * (1.5 if config.zero.stage == 3 else 1.0)
-    # pp: per tick one activation forward and one cotangent backward, point to point
-    pp_bw, pp_link = link_bandwidth(mesh.tp, mesh.pp, gpus_per_node, hw)
-    ticks = mb + p - 1
-    pp_s = 0.0 if p == 1 else 2 * ticks * c * tokens_local * m.d_model / pp_bw
-    total = busy + bubble + tp_s + dp_s + pp_s
-    mfu = flops["model_flops"] / (total * mesh.size * hw.peak_flops)
+    rate = hw.peak_flops * hw.matmul_efficiency
+    parts = flops["executed_parts"]
+    busy_layers_s = flops["layers_busy_flops_per_device"] / rate
+    idle = 1 - flops["layers_busy_flops_per_device"] / parts["layers"]  # bubble_fraction when F:B costs 1:2
+    comm = _comm_s(config, hw, gpus_per_node)
+    compute_s = busy_layers_s + (parts["head"] + parts["vision"]) / rate
+    bubble_s = idle / (1 - idle) * (busy_layers_s + comm["tp_comm_s"])
+    total = compute_s + bubble_s + comm["tp_comm_s"] + comm["dp_comm_s"] + comm["pp_comm_s"]
     tokens = config.train.global_batch_size * seq_len(config)
-    return {"compute_s": busy, "bubble_s": bubble, "tp_comm_s": tp_s, "dp_comm_s": dp_s, "pp_comm_s": pp_s,
-            "step_s": total, "mfu": mfu, "tokens_per_s": tokens / total,
-            "links": {"tp": tp_link, "dp": dp_link, "pp": pp_link},
-            "bubble_fraction": schedules.ideal_bubble(p, mb) if p > 1 else 0.0, **flops}
+    return {"compute_s": compute_s, "bubble_s": bubble_s, "step_s": total, **comm,
+            "mfu": flops["model_flops"] / (total * config.mesh.size * hw.peak_flops),
+            "tokens_per_s": tokens / total, **flops}

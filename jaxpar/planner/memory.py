@@ -3,7 +3,7 @@ policy and pipeline schedule, gradients, the largest temporaries, and a peak.
 
 Not a call to the compiler: formulas from the ZeRO paper (states), Korthikanti et al. (activations,
 counted for jaxpar's own layers: RMSNorm and RoPE in fp32, XLA attention with fp32 [b, h, s, s]
-scores and probabilities, SwiGLU), and jaxpar's 1F1B ring buffer of 2p-1 stage inputs. The peak is
+scores and probabilities, SwiGLU), and the 1F1B stash of in-flight microbatches' residuals. The peak is
 the state plus the larger of two phases XLA cannot overlap: the backward (gradients, saved
 activations, one layer's recompute + backward working set) and the optimizer update (reduced and
 clipped fp32 gradients, Adam's new moments of one leaf, net of the dead bf16 parameters' buffers).
@@ -18,10 +18,12 @@ host (offloaded) bytes as device bytes. Only used to compare with dry runs on th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 from jaxpar.config import Config
 from jaxpar.models import llama, vit, vla
+from jaxpar.parallel import schedule as schedules
 from jaxpar.sharding import RULES
 
 SAVE_LINEAR = ("selective", "offload", "dots", "none")  # policies that keep the linear-layer outputs
@@ -59,6 +61,24 @@ def local_params(config: Config) -> dict[str, int]:
         vdiv = {"vit_heads": config.vision.tp, "vit_mlp": config.vision.tp}
         out["vision"] = _local_count(vit.param_shapes(config.vision, config.model.d_model), vit.param_axes(config.vision), vdiv)
     return out
+
+
+def pipeline_field(config: Config, name: str, default):
+    """pipeline.virtual_stages / stage_recompute, which the pipeline rewrite adds (defaults until then)."""
+    return getattr(config.pipeline, name, default)
+
+
+def pipeline_table(config: Config):
+    """The pipeline's schedule table, or None when the schedule module cannot build it (a module
+    from before virtual stages, or a schedule it does not know)."""
+    p, m, kind = config.mesh.pp, config.pipeline.microbatches, config.pipeline.schedule
+    v = pipeline_field(config, "virtual_stages", 1)
+    try:
+        if "virtual" in inspect.signature(schedules.build).parameters:
+            return schedules.build(kind, p, m, virtual=v)
+        return schedules.build(kind, p, m) if v == 1 else None
+    except ValueError:
+        return None
 
 
 def vision_data_ways(config: Config) -> int:
@@ -160,13 +180,9 @@ def _activations(config: Config, c: int, target: str) -> dict:
     b, s = microbatch(config), seq_len(config)
     blk, layers = llm_block(config), m.n_layers // pp
     dev, host = saved_per_layer(policy, blk, b, s, c)
-    if pp > 1 and config.pipeline.schedule == "gpipe":
-        live_mb = config.pipeline.microbatches + pp - 1  # every tick's residuals, masked ones too
-    else:
-        live_mb = 1  # 1F1B: one stage vjp at a time; without pp the only pass
+    live_mb, ring = _pipeline_live(config, c * b * s * m.d_model)
     saved = live_mb * layers * dev
     host_saved = live_mb * layers * host
-    ring = (2 * pp - 1 + 2) * c * b * s * m.d_model if pp > 1 and config.pipeline.schedule == "1f1b" else 0.0
     work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, b * s, c))
     out = {"saved": saved, "saved_host": host_saved, "pipeline_buffers": ring, "working_set": work,
            "cpu_f32_twins": 0.0}
@@ -177,6 +193,24 @@ def _activations(config: Config, c: int, target: str) -> dict:
     if m.kind == "vla":
         out.update(_vision_activations(config, c, target))
     return out
+
+
+def _pipeline_live(config: Config, activation: float) -> tuple[float, float]:
+    """(stages' worth of layer residuals alive at the backward's peak, bytes of stage inputs and receive
+    buffers). GPipe keeps every tick's residuals (masked ones too); the 1F1B / zb runtime keeps each
+    in-flight chunk's vjp residuals (the schedule table's in_flight(): up to 2p-1 microbatches on stage
+    0, each 1/v of the stage); with pipeline.stage_recompute only stage inputs wait, and one stage's
+    residuals exist at a time. Without pp: the one pass."""
+    pp, m, kind = config.mesh.pp, config.pipeline.microbatches, config.pipeline.schedule
+    if pp == 1:
+        return 1.0, 0.0
+    if kind == "gpipe":
+        return float(m + pp - 1), 0.0
+    table = pipeline_table(config)
+    in_flight = int(max(table.in_flight())) if table is not None else 2 * pp - 1
+    if pipeline_field(config, "stage_recompute", False):
+        return 1.0, (in_flight + 2) * activation
+    return in_flight / pipeline_field(config, "virtual_stages", 1), 2 * activation
 
 
 def _vision_activations(config: Config, c: int, target: str) -> dict:

@@ -28,10 +28,16 @@ def divisors(n: int) -> list[int]:
 def _with(config: Config, dp, pp, tp, zero, remat, m, offload, vision_tp) -> Config:
     return dataclasses.replace(
         config, mesh=MeshConfig(dp, pp, tp), zero=ZeroConfig(zero), remat=RematConfig(remat),
-        pipeline=PipelineConfig(config.pipeline.schedule if pp > 1 else "1f1b", m if pp > 1 else 1),
+        pipeline=_pipeline(config, pp, m),
         train=dataclasses.replace(config.train, grad_accum=1 if pp > 1 or config.model.kind == "vla" else m),
         offload=OffloadConfig(optimizer=offload, master_weights=True),
         vision=dataclasses.replace(config.vision, tp=vision_tp))
+
+
+def _pipeline(config: Config, pp: int, m: int) -> PipelineConfig:
+    """The config's pipeline options (schedule, and virtual stages / stage recompute where the config
+    has them) with m microbatches; the defaults without pp."""
+    return dataclasses.replace(config.pipeline, microbatches=m) if pp > 1 else PipelineConfig()
 
 
 def _vision_tps(config: Config, tp: int) -> list[int]:

@@ -29,7 +29,9 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
             "per_device_bytes": mem["per_device_bytes"], "fits": mem["per_device_bytes"]["peak"] <= hw.usable_bytes,
             "usable_bytes": hw.usable_bytes, "microbatch_sequences": mem["microbatch"], "seq_len": mem["seq_len"],
             "peak_phase": mem["phase"], "param_counts_per_device": mem["param_counts"],
-            "flops_per_step": time["model_flops"], "executed_flops_per_device": time["executed_flops_per_device"],
+            "flops_per_step": time["model_flops"], "model_flops_per_device": time["model_flops_per_device"],
+            "executed_flops_per_device": time["executed_flops_per_device"],
+            "executed_flops_parts": time["executed_parts"],
             "step_time": {k: time[k] for k in ("compute_s", "bubble_s", "tp_comm_s", "dp_comm_s", "pp_comm_s",
                                                "step_s")},
             "links": time["links"], "bubble_fraction": time["bubble_fraction"], "mfu": time["mfu"],
@@ -45,8 +47,7 @@ def format_plan(report: dict) -> str:
              "per-device memory (GB = 1e9 bytes):"]
     lines += [f"  {label:<52} {pd[key] / GB:9.2f}" for key, label in MEMORY_ROWS]
     lines.append(f"  -> {fits} in {report['usable_bytes'] / GB:.1f} GB usable; peak in the {report['peak_phase']} phase")
-    lines.append(f"FLOPs per step {report['flops_per_step']:.3e} (model); executed per device "
-                 f"{report['executed_flops_per_device']:.3e} (with recompute and masked pipeline work)")
+    lines.append(flops_line(report))
     lines.append("step time (s):")
     for key, label in (("compute_s", "compute"), ("bubble_s", f"pipeline bubble ({report['bubble_fraction']:.0%})"),
                        ("tp_comm_s", f"tp all-reduces ({report['links']['tp']})"),
@@ -55,6 +56,14 @@ def format_plan(report: dict) -> str:
         lines.append(f"  {label:<40} {st[key]:9.3f}")
     lines.append(f"MFU {report['mfu']:.1%}, {report['tokens_per_s']:,.0f} tokens/s")
     return "\n".join(lines)
+
+
+def flops_line(report: dict) -> str:
+    """Model vs executed FLOPs per device: the gap is remat, masked pipeline slots and replicated work."""
+    model, executed = report["model_flops_per_device"], report["executed_flops_per_device"]
+    return (f"FLOPs per device per step: model {model:.3e} (6N + attention), executed {executed:.3e} "
+            f"(x{executed / model:.2f}: remat recompute, masked pipeline slots, replicated work); "
+            f"bubble {report['bubble_fraction']:.1%}")
 
 
 def format_recommendation(result: dict, gpus: int, gpus_per_node: int, hw: Hardware) -> str:

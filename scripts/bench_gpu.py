@@ -1,0 +1,327 @@
+"""GPU throughput of jaxpar's own train step: a ~1B Llama in bf16 at seq 2048, one subprocess per variant.
+
+    make bench-gpu                                   # = python scripts/bench_gpu.py (writes runs/bench_gpu/)
+    python scripts/bench_gpu.py [--variants none,selective,full] [--steps 5] [--warmup 2] [--batch 6] [--seq 2048]
+    python scripts/bench_gpu.py --smoke              # tiny model on CPU, same code path (tests/test_bench_gpu.py)
+
+Variants are names made of '-'-joined parts: a remat policy (none, dots, selective, full), `tpN`, `dpN`,
+`zeroK`; e.g. `selective`, `tp8`, `dp8-zero3-full`. Defaults: the three remat policies on one device,
+plus tp / ZeRO-1 / ZeRO-3 over all devices when there are several. `--batch` is per data-parallel
+replica (global batch = batch x dp). Each variant runs in its own process, so one that runs out of
+memory or time costs only its own row; its result is one JSON line on the child's stdout. Writes
+OUT_DIR/bench_gpu.json and OUT_DIR/bench_gpu.md after every variant, so a killed run keeps its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `python scripts/bench_gpu.py` from a plain checkout (no pip install -e)
+
+from jaxpar.config import (Config, MeshConfig, ModelConfig, RematConfig, TrainConfig,  # noqa: E402
+                           ZeroConfig, validate)
+
+MARK = "BENCH_RESULT "  # prefix of the child's one result line on stdout
+GIB = 2 ** 30
+MODEL_1B = ModelConfig(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, d_ff=5632)
+MODEL_SMOKE = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"  # CPU compile time
+REMATS = ("none", "dots", "selective", "full")
+
+
+# ----------------------------------------------------------------------------- variants and config
+
+def parse_variant(name: str, n_devices: int) -> dict:
+    """'dp8-zero3-full' -> {remat, dp, tp, zero}; zeroK without dpN spreads dp over the devices tp leaves."""
+    spec, explicit_dp = {"remat": "none", "dp": 1, "tp": 1, "zero": 0}, False
+    for part in name.split("-"):
+        if part in REMATS:
+            spec["remat"] = part
+        elif m := re.fullmatch(r"(tp|dp|zero)(\d+)", part):
+            spec[m[1]] = int(m[2])
+            explicit_dp |= m[1] == "dp"
+        else:
+            raise ValueError(f"variant '{name}': unknown part '{part}' (use {', '.join(REMATS)}, tpN, dpN, zeroK)")
+    if spec["zero"] and not explicit_dp:
+        spec["dp"] = max(n_devices // spec["tp"], 1)
+    return spec
+
+
+def default_variants(n_devices: int) -> list[str]:
+    """The remat policies on one device; with several devices also tp and ZeRO-1/3 over all of them."""
+    names = ["none", "selective", "full"]
+    if n_devices > 1:
+        names += [f"tp{n_devices}", f"dp{n_devices}-zero1", f"dp{n_devices}-zero3"]
+    return names
+
+
+def make_config(spec: dict, args) -> Config:
+    """bf16 config of one variant; the global batch keeps `--batch` sequences per dp replica."""
+    steps = args.warmup + args.steps
+    config = Config(mesh=MeshConfig(dp=spec["dp"], tp=spec["tp"]), zero=ZeroConfig(stage=spec["zero"]),
+                    precision="bf16", remat=RematConfig(policy=spec["remat"]),
+                    model=MODEL_SMOKE if args.smoke else MODEL_1B,
+                    train=TrainConfig(steps=steps, global_batch_size=args.batch * spec["dp"], seq_len=args.seq,
+                                      warmup_steps=0))
+    validate(config)
+    return config
+
+
+def peak_flops(device_kind: str, override_tflops: float) -> tuple[float | None, str]:
+    """Peak dense bf16 FLOP/s of one device from jaxpar.planner.hardware, and where it came from."""
+    from jaxpar.planner import hardware
+
+    if override_tflops > 0:
+        return override_tflops * 1e12, f"--peak_tflops {override_tflops:g}"
+    for key in ("h200", "h100", "a100"):  # h200 first: GH200 / H200 names must not match h100
+        if key in device_kind.lower():
+            hw = hardware.get(key)
+            return hw.peak_flops, f"jaxpar.planner.hardware '{hw.name}': {hw.peak_tflops:g} TFLOP/s dense bf16"
+    return None, f"no peak known for '{device_kind}': MFU not computed (pass --peak_tflops)"
+
+
+# ----------------------------------------------------------------------------- child processes
+
+def emit(record: dict) -> None:
+    print(MARK + json.dumps(record), flush=True)
+
+
+def probe(args) -> None:
+    """Device facts for the parent, from a child, so the parent never holds GPU memory itself."""
+    import jax
+
+    devices = jax.devices()
+    emit({"jax_version": jax.__version__, "platform": devices[0].platform, "device_kind": devices[0].device_kind,
+          "device_count": len(devices)})
+
+
+def peak_memory_bytes(devices) -> int | None:
+    """Largest peak_bytes_in_use over the mesh's devices; None where memory_stats is absent (CPU)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    return max(peaks) if peaks and None not in peaks else None
+
+
+def run_variant(args) -> None:
+    """Build jaxpar's sharded step for one variant, compile it, time `steps` steps after `warmup`."""
+    import jax
+
+    from jaxpar.data.synthetic import SyntheticData
+    from jaxpar.mesh import Layout
+    from jaxpar.metrics import model_flops_per_step
+    from jaxpar.parallel.step import StepBuilder
+
+    spec = parse_variant(args.child, args.n_devices)
+    config = make_config(spec, args)
+    layout = Layout.for_config(config)
+    if args.smoke:
+        jax.config.update("jax_num_cpu_devices", layout.size)
+    devices = jax.devices()[: layout.size]
+    log = lambda msg: print(f"[{args.child}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    builder = StepBuilder(config, layout.make_mesh(devices))
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(builder.init_state(config.train.seed))
+    log(f"state initialised in {time.perf_counter() - t0:.1f} s on {len(devices)} x {devices[0].device_kind}")
+    data = SyntheticData(config, builder.batch_sharding())
+    batches = [data.batch(i) for i in range(config.train.steps)]  # made before timing: host work not timed
+    t0 = time.perf_counter()
+    step = builder.jit_train_step().lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t0
+    log(f"compiled in {compile_s:.1f} s")
+    times = []
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        state, metrics = jax.block_until_ready(step(state, batch))
+        times.append(time.perf_counter() - t0)
+        log(f"step {i + 1}/{len(batches)}: {times[-1]:.3f} s, loss {float(metrics['loss']):.4f}")
+    step_s = statistics.median(times[args.warmup:])
+    tokens = config.train.global_batch_size * config.train.seq_len
+    peak, _ = peak_flops(devices[0].device_kind, args.peak_tflops)
+    flops = model_flops_per_step(config, config.train.seq_len)
+    loss, mem = float(metrics["loss"]), peak_memory_bytes(devices)
+    emit({"variant": args.child, **spec, "devices": len(devices), "global_batch": config.train.global_batch_size,
+          "compile_s": compile_s, "step_time_s": step_s, "step_times_s": times, "tokens_per_s": tokens / step_s,
+          "model_tflops_per_step": flops / 1e12,
+          "mfu": flops / (step_s * len(devices) * peak) if peak else None,
+          "peak_memory_bytes": mem, "peak_memory_gib": mem / GIB if mem is not None else None,
+          "loss": loss, "loss_finite": math.isfinite(loss), "error": None})
+
+
+# ----------------------------------------------------------------------------- parent
+
+def child_env(args, probing: bool) -> dict:
+    """On GPUs let the one running variant take 95% of the memory (JAX's default is 75%) and keep the
+    probe from reserving any. --smoke: CPU, cheap XLA optimisation and a compilation cache shared by
+    the run's children (the remat variants share their init program): compiling is all its time."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if args.smoke:
+        env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=args.cache_dir,
+                   XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}".strip())
+    if probing:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    else:
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    return env
+
+
+def child_args(args) -> list[str]:
+    flags = ["--batch", args.batch, "--seq", args.seq, "--steps", args.steps, "--warmup", args.warmup,
+             "--peak_tflops", args.peak_tflops] + (["--smoke"] if args.smoke else [])
+    return [str(f) for f in flags]
+
+
+def spawn(args, flags: list[str], timeout: float, probing: bool = False) -> dict:
+    """Run a child; its result line, or {'error': last stderr line (or the timeout)}. A failing child's
+    stderr tail goes to our stderr, so the log shows how far it got."""
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *flags, *child_args(args)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(args, probing))
+        out, err, failure = proc.stdout, proc.stderr, None if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired as exc:
+        as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        out, err, failure = as_text(exc.stdout), as_text(exc.stderr), f"timeout after {timeout:.0f} s"
+    results = [json.loads(line[len(MARK):]) for line in out.splitlines() if line.startswith(MARK)]
+    lines = [line for line in err.splitlines() if line.strip()]
+    print("\n".join(lines[-40:]), file=sys.stderr, flush=True)
+    if results and not failure:
+        return results[-1]
+    last = lines[-1].strip()[:500] if lines else "(no stderr)"
+    return {"error": last if failure.startswith("exit") else f"{failure}; last stderr line: {last}"}
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    """The summary table (one row per variant) under a few lines saying what was measured where."""
+    lines = [f"# bench_gpu: Llama of {report['model']['params']:,} parameters, bf16, seq {report['seq']}, "
+             f"batch {report['batch']} per dp replica",
+             "", f"- device: {report['device_count']} x {report['device_kind']}, jax {report['jax_version']}",
+             f"- MFU peak: {report['peak_source']}",
+             f"- timing: median of {report['timed_steps']} steps after {report['warmup_steps']} warm-up steps",
+             f"- command: `{report['command']}`", "",
+             "| variant | tokens/s | MFU | step time (s) | peak memory (GiB) | compile (s) | loss | error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["variants"]:
+        lines.append(f"| {r['variant']} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('mfu'), '.1%')} | "
+                     f"{fmt(r.get('step_time_s'), '.3f')} | {fmt(r.get('peak_memory_gib'), '.1f')} | "
+                     f"{fmt(r.get('compile_s'), '.1f')} | {fmt(r.get('loss'), '.4f')} | "
+                     f"{(r.get('error') or '').replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out_dir: pathlib.Path) -> str:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (out_dir / "bench_gpu.md").write_text(table)
+    return table
+
+
+def main_parent(args) -> int:
+    """Probe the devices, then run each variant in turn inside the time budget; 0 when every row is good."""
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_cache_") as args.cache_dir:
+        return run_all(args, time.perf_counter())
+
+
+def run_all(args, start: float) -> int:
+    facts = spawn(args, ["--probe"], timeout=180, probing=True)
+    if facts.get("error"):
+        print(f"bench_gpu: device probe failed: {facts['error']}", file=sys.stderr)
+        return 1
+    if facts["platform"] == "cpu" and not args.smoke:
+        print("bench_gpu: no GPU visible (JAX sees only CPU); this trains a 1B model: use --smoke on CPU",
+              file=sys.stderr)
+        return 2
+    names = args.variants.split(",") if args.variants else default_variants(facts["device_count"])
+    model = MODEL_SMOKE if args.smoke else MODEL_1B
+    from jaxpar.models.llama import param_count
+
+    peak, source = peak_flops(facts["device_kind"], args.peak_tflops)
+    report = {**facts, "command": shlex.join([sys.executable, *sys.argv]), "model": {
+        **{k: getattr(model, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")},
+        "params": param_count(model)}, "precision": "bf16", "batch": args.batch, "seq": args.seq,
+        "warmup_steps": args.warmup, "timed_steps": args.steps, "peak_tflops_per_device": peak and peak / 1e12,
+        "peak_source": source, "xla_flags": os.environ.get("XLA_FLAGS", ""), "variants": []}
+    print(f"bench_gpu: {report['model']['params']:,} parameters; {facts['device_count']} x {facts['device_kind']}, "
+          f"jax {facts['jax_version']}; MFU peak: {source}", flush=True)
+    for name in names:
+        left = args.budget - (time.perf_counter() - start)
+        if left < 20:
+            row = {"error": f"skipped: --budget {args.budget:g} s used up"}
+        else:
+            try:
+                parse_variant(name, facts["device_count"])
+                row = spawn(args, ["--child", name, "--n_devices", str(facts["device_count"])],
+                            timeout=min(args.timeout, left))
+            except ValueError as err:
+                row = {"error": str(err)}
+        report["variants"].append({"variant": name, **row})
+        print(f"bench_gpu: {name}: " + (row.get("error") or f"{row['tokens_per_s']:,.0f} tokens/s, "
+              f"step {row['step_time_s']:.3f} s, compile {row['compile_s']:.1f} s"), flush=True)
+        table = write(report, args.out_dir)
+    print(table, flush=True)
+    print(f"wrote {args.out_dir / 'bench_gpu.json'} and bench_gpu.md", flush=True)
+    good = all(not r.get("error") and r.get("loss_finite") for r in report["variants"])
+    return 0 if good else 1
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default="", help="comma-separated names (default: by device count)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 5; smoke 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps (default 2; smoke 1)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="sequences per dp replica (default 6: the largest whose remat=none step fits 141 GB; smoke 4)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; smoke 32)")
+    p.add_argument("--timeout", type=float, default=150.0, help="seconds per variant, start-up and compile included")
+    p.add_argument("--budget", type=float, default=270.0, help="seconds for the whole run; later variants are skipped")
+    p.add_argument("--peak_tflops", type=float, default=0.0, help="override the per-device peak for MFU")
+    p.add_argument("--out_dir", type=pathlib.Path, default=pathlib.Path("runs/bench_gpu"))
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU (each variant emulates its mesh's devices)")
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--n_devices", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for key, full, smoke in (("steps", 5, 2), ("warmup", 2, 1), ("batch", 6, 4), ("seq", 2048, 32)):
+        if getattr(args, key) is None:
+            setattr(args, key, smoke if args.smoke else full)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.probe:
+        probe(args)
+        return 0
+    if args.child:
+        try:
+            run_variant(args)
+            return 0
+        except Exception as err:  # noqa: BLE001 - the parent reads the last stderr line as the row's error
+            import traceback
+
+            traceback.print_exc()
+            first = (str(err).strip().splitlines() or [""])[0]
+            print(f"{type(err).__name__}: {first}"[:500], file=sys.stderr, flush=True)
+            return 1
+    return main_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

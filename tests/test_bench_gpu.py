@@ -1,0 +1,100 @@
+"""scripts/bench_gpu.py: the GPU benchmark's code path, run here as `--smoke` (tiny model, CPU, one
+process per variant), and its variant names, peak lookup and table."""
+
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_smoke(out_dir: pathlib.Path, *flags: str) -> dict:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out_dir", str(out_dir), *flags],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out_dir / "bench_gpu.json").read_text())
+
+
+def check_rows(report: dict, names: list[str], out_dir: pathlib.Path) -> None:
+    assert [r["variant"] for r in report["variants"]] == names
+    for row in report["variants"]:
+        assert row["error"] is None, row
+        assert math.isfinite(row["loss"]) and row["loss_finite"]
+        assert row["tokens_per_s"] > 0 and row["step_time_s"] > 0 and row["compile_s"] > 0
+        assert len(row["step_times_s"]) == report["warmup_steps"] + report["timed_steps"]
+        assert row["mfu"] is None and row["peak_memory_gib"] is None  # CPU: no peak FLOP/s, no memory_stats
+    table = (out_dir / "bench_gpu.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(table) if line.startswith("| variant |"))
+    assert "tokens/s" in table[header] and "MFU" in table[header] and "peak memory (GiB)" in table[header]
+    rows = [line for line in table[header + 2:] if line.startswith("|")]
+    assert [line.split("|")[1].strip() for line in rows] == names
+
+
+def test_smoke_default_variants(tmp_path):
+    report = run_smoke(tmp_path)
+    check_rows(report, ["none", "selective", "full"], tmp_path)
+    assert report["precision"] == "bf16" and report["platform"] == "cpu" and report["device_count"] == 1
+    assert report["jax_version"] and "--smoke" in report["command"]
+    assert report["model"]["params"] > 0 and report["peak_tflops_per_device"] is None
+
+
+@pytest.mark.slow
+def test_smoke_multi_device_variants(tmp_path):
+    """tp and ZeRO-1/3 (the several-GPU variants) on emulated CPU devices."""
+    names = ["tp2", "dp2-zero1", "dp2-zero3"]
+    report = run_smoke(tmp_path, "--variants", ",".join(names))
+    check_rows(report, names, tmp_path)
+    assert [r["global_batch"] for r in report["variants"]] == [4, 8, 8]  # --batch is per dp replica
+
+
+def test_variant_names_and_defaults():
+    bench = load_bench()
+    assert bench.parse_variant("selective", 1) == {"remat": "selective", "dp": 1, "tp": 1, "zero": 0}
+    assert bench.parse_variant("zero3", 8) == {"remat": "none", "dp": 8, "tp": 1, "zero": 3}
+    assert bench.parse_variant("tp2-zero1-full", 8) == {"remat": "full", "dp": 4, "tp": 2, "zero": 1}
+    with pytest.raises(ValueError, match="unknown part 'pp2'"):
+        bench.parse_variant("pp2", 8)
+    assert bench.default_variants(1) == ["none", "selective", "full"]
+    assert bench.default_variants(8) == ["none", "selective", "full", "tp8", "dp8-zero1", "dp8-zero3"]
+
+
+def test_bench_model_is_about_1b_and_valid():
+    bench = load_bench()
+    from jaxpar.models.llama import param_count
+
+    args = bench.parse_args([])
+    assert (args.batch, args.seq, args.steps, args.warmup) == (6, 2048, 5, 2)
+    for name in bench.default_variants(8):
+        config = bench.make_config(bench.parse_variant(name, 8), args)  # validates the layout
+        assert config.precision == "bf16" and config.train.seq_len == 2048
+    assert 0.8e9 < param_count(bench.MODEL_1B) < 1.2e9
+
+
+def test_peak_from_planner_hardware():
+    bench = load_bench()
+    assert bench.peak_flops("NVIDIA H200", 0.0)[0] == 989e12
+    assert bench.peak_flops("NVIDIA H100 80GB HBM3", 0.0)[0] == 989e12
+    assert bench.peak_flops("NVIDIA A100-SXM4-80GB", 0.0)[0] == 312e12
+    assert bench.peak_flops("cpu", 0.0)[0] is None
+    assert bench.peak_flops("cpu", 100.0)[0] == 100e12
+
+
+def test_failed_variant_row_in_table():
+    bench = load_bench()
+    report = {"model": {"params": 1e9}, "seq": 2048, "batch": 8, "device_count": 1, "device_kind": "NVIDIA H200",
+              "jax_version": "0.11.2", "peak_source": "x", "timed_steps": 5, "warmup_steps": 2, "command": "c",
+              "variants": [{"variant": "none", "error": "XlaRuntimeError: RESOURCE_EXHAUSTED | out of memory"}]}
+    row = bench.markdown(report).splitlines()[-1]
+    assert row.startswith("| none | - | - |") and "RESOURCE_EXHAUSTED / out of memory" in row
