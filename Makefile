@@ -33,8 +33,9 @@ plan: $(STAMP)
 	$(BIN)/python -m jaxpar.plan --config llama7b.py
 	$(BIN)/python -m jaxpar.plan --config vla70b.py --recommend --gpus 64 --gpus_per_node 8 --gpu a100-80gb
 
-## ~1B Llama (bf16, seq 2048) on the GPU(s): tokens/s, MFU, step time, peak memory per remat policy
-## (one process per variant; runs/bench_gpu/bench_gpu.{json,md}). `--smoke` runs it on CPU with a tiny model.
+## ~1B Llama (bf16, seq 2048) on the GPU(s): tokens/s, MFU, step time, peak memory per attention kernel
+## (cuDNN / XLA) and remat policy, plus tp / ZeRO-1 / ZeRO-3 with several GPUs (one process per variant,
+## under 5 minutes on one H200; runs/bench_gpu/bench_gpu.{json,md}). `--smoke` runs it on CPU with a tiny model.
 bench-gpu: $(STAMP)
 	$(BIN)/python scripts/bench_gpu.py --out_dir runs/bench_gpu
 

@@ -23,14 +23,16 @@ from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.pipeline import layer_order, reorder_layers
 
-VISION_FREE = ("tp", "zero", "remat", "pos_init")  # the encoder's layout and init: free to differ on resume
+VISION_FREE = ("tp", "zero", "remat", "pos_init", "attention")  # the encoder's layout, init and kernel: free
+MODEL_FREE = ("attention",)  # the attention kernel (auto / xla / cudnn) changes no weight: free on resume
 
 
 def _model_fingerprint(config: Config) -> dict:
     """What must match for a checkpoint to restore: the model's shapes and the state's structure
     (precision decides whether fp32 master weights exist; clipping adds an optimizer-state entry).
     The parallel layout may differ freely."""
-    out = {"model": dataclasses.asdict(config.model),
+    model = {k: v for k, v in dataclasses.asdict(config.model).items() if k not in MODEL_FREE}
+    out = {"model": model,
            "state": {"precision": config.precision, "clipping": config.train.grad_clip > 0}}
     if config.model.kind == "vla":
         out["vision"] = {k: v for k, v in dataclasses.asdict(config.vision).items() if k not in VISION_FREE}
@@ -49,7 +51,7 @@ def fingerprint_mismatch(saved: dict, config: Config) -> str | None:
         old = saved.get(key)
         if isinstance(old, dict):
             old = {**{k: defaults[k] for k in value if k in defaults and k not in old}, **old}
-            old = {k: v for k, v in old.items() if k in value or k not in VISION_FREE}
+            old = {k: v for k, v in old.items() if k in value or k not in VISION_FREE + MODEL_FREE}
         if old != value:
             return f"{key} ({saved.get(key)}, now {value})"
     return None

@@ -25,6 +25,10 @@ class MeshConfig:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    # Megatron sequence parallelism: outside the tensor-parallel regions (norms, residual stream, layer
+    # boundaries, pipeline sends) activations are split over tp along the sequence; each layer's two
+    # tp all-reduces become reduce-scatter + all-gather pairs (same bytes, 1/tp of the activations).
+    sequence_parallel: bool = False
 
     @property
     def size(self) -> int:
@@ -69,6 +73,9 @@ class ModelConfig:
     kind: str = "llama"  # llama | vla (ViT + projector + this LLM; groups vision, projector, actions)
     prefix_lm: bool = True  # vla: image + instruction attend bidirectionally, actions causally
     text_loss: bool = False  # vla: also train on the instruction tokens, not only the actions
+    # attention kernel: auto (cuDNN flash attention where it can run, else XLA), xla, cudnn; resolved for
+    # the run's devices at start (jaxpar.attention_choice), the ViT's too unless vision.attention is set
+    attention: str = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -84,6 +91,7 @@ class RematConfig:
 
 REMAT_POLICIES = ("none", "dots", "selective", "offload", "full")  # jaxpar.parallel.remat
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb")
+ATTENTION_KINDS = ("auto", "xla", "cudnn")  # jaxpar.attention_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +124,7 @@ class VisionConfig:
     tp: int = 1  # a divisor of mesh.tp: the encoder's tensor-parallel group (1: pure data parallel)
     zero: ZeroConfig = ZeroConfig()  # 0-2, over all devices not used by the vision tp
     remat: RematConfig = RematConfig()
+    attention: str = ""  # the encoder's attention kernel (auto, xla, cudnn); "" = as model.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +188,21 @@ class HardwareConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A jax.profiler trace of training steps START..END (1-based, inclusive) into WORKDIR/profile.
+    A string, so the CLI's `--config.profile.steps=5,7` override sets it as it sets every other key."""
+
+    steps: str = ""  # "START,END"; "" = no trace
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     mesh: MeshConfig = MeshConfig()
     zero: ZeroConfig = ZeroConfig()
-    precision: str = "fp32"  # fp32 | bf16 (fp32 master + optimizer state, bf16 compute and grad collectives)
+    precision: str = "fp32"  # fp32 | bf16 (fp32 master + optimizer state, bf16 compute)
+    # dtype of the gradient reduction over dp under precision=bf16 (Megatron's default is fp32: the local
+    # gradients are widened before the all-reduce / reduce-scatter; bf16 halves the bytes)
+    grad_reduce: str = "fp32"
     train: TrainConfig = TrainConfig()
     model: ModelConfig = ModelConfig()
     remat: RematConfig = RematConfig()
@@ -195,6 +215,7 @@ class Config:
     debug: DebugConfig = DebugConfig()
     actions: ActionConfig = ActionConfig()
     hardware: HardwareConfig = HardwareConfig()
+    profile: ProfileConfig = ProfileConfig()
 
 
 # ----------------------------------------------------------------------------- loading
@@ -368,6 +389,30 @@ def _validate_ranges(config: Config) -> None:
     _require(config.remat.policy in REMAT_POLICIES,
              f"remat.policy='{config.remat.policy}' is unknown; use one of {', '.join(REMAT_POLICIES)}")
     _require(config.precision in ("fp32", "bf16"), f"precision='{config.precision}' is unknown; use fp32 or bf16")
+    _require(config.grad_reduce in ("fp32", "bf16"),
+             f"grad_reduce='{config.grad_reduce}' is unknown; use fp32 or bf16")
+    for key, value, allowed in (("model.attention", config.model.attention, ATTENTION_KINDS),
+                                ("vision.attention", config.vision.attention, ("",) + ATTENTION_KINDS)):
+        _require(value in allowed, f"{key}='{value}' is unknown; use one of {', '.join(ATTENTION_KINDS)}")
+    profile_steps(config)  # raises on a malformed or out-of-range range
+
+
+def profile_steps(config: Config) -> tuple[int, int] | None:
+    """profile.steps as (START, END), or None when no trace is asked for; a bad value is a ConfigError."""
+    text = config.profile.steps.strip()
+    if not text:
+        return None
+    start, sep, end = text.partition(",")
+    try:
+        first, last = int(start), int(end)
+    except ValueError:
+        raise ConfigError(f"profile.steps='{text}' is not START,END; write e.g. --config.profile.steps=5,7 "
+                          f"(1-based training steps, inclusive)") from None
+    _require(first >= 1 and last >= 1, f"profile.steps={text}: steps are 1-based, so START and END must be >= 1")
+    _require(last >= first, f"profile.steps={text}: END={last} is before START={first}; give END >= START")
+    _require(last <= config.train.steps, f"profile.steps={text} ends after train.steps={config.train.steps}; "
+                                         f"pick END <= {config.train.steps}")
+    return first, last
 
 
 def _validate_layout(config: Config) -> None:
@@ -386,6 +431,12 @@ def _validate_layout(config: Config) -> None:
         value = getattr(model, key)
         _require(value % tp == 0, f"mesh.tp={tp} does not divide model.{key}={value}; "
                                   f"choose a tp that divides {value} (tensor parallel splits it over tp)")
+    if mesh.sequence_parallel:
+        _require(tp > 1, "mesh.sequence_parallel=true needs mesh.tp > 1 (it splits the sequence over tp); "
+                         "set mesh.tp > 1 or turn it off")
+        seq, name = _llm_seq_len(config)
+        _require(seq % tp == 0, f"mesh.sequence_parallel=true splits the {name}={seq} over mesh.tp={tp}, which "
+                                f"does not divide it; make it a multiple of {tp}")
     _require(model.n_layers % mesh.pp == 0,
              f"mesh.pp={mesh.pp} does not divide model.n_layers={model.n_layers}; use a pp that divides it")
     _validate_pipeline(config)
@@ -400,6 +451,15 @@ def _validate_layout(config: Config) -> None:
         _require(model.d_model % mesh.dp == 0,
                  f"zero.stage={config.zero.stage} shards states over dp on the d_model dim, but mesh.dp={mesh.dp} "
                  f"does not divide model.d_model={model.d_model}; pick a dp that divides it or zero.stage=0")
+
+
+def _llm_seq_len(config: Config) -> tuple[int, str]:
+    """The LLM's sequence length and what sets it (a VLA's: image + instruction + action tokens)."""
+    if config.model.kind != "vla":
+        return config.train.seq_len, "train.seq_len"
+    vis, act = config.vision, config.actions
+    image = vis.cameras * (vis.image_size // max(vis.patch_size, 1)) ** 2
+    return image + act.instruction_len + act.dims - 1, "VLA sequence (image + instruction + action tokens)"
 
 
 def _validate_vla(config: Config) -> None:

@@ -39,10 +39,11 @@ def bytes_by_memory_kind(tree) -> dict[str, int]:
 def zero_formula_bytes(config: Config, psi_local: int, dp: int) -> dict[str, float]:
     """Model-state bytes per device from the ZeRO paper's table (Psi = per-(pp, tp)-shard params).
 
-    bf16: 2-byte params and grads, K = 12 (fp32 master + Adam m + v); fp32: 4 + 4, K = 8 (m + v).
+    bf16: 2-byte params, K = 12 (fp32 master + Adam m + v) and grads reduced in fp32 (4 bytes; the
+    paper's 2 with grad_reduce=bf16); fp32: 4 + 4, K = 8 (m + v).
     """
     stage = config.zero.stage
-    p_bytes, g_bytes, k = (2, 2, 12) if config.precision == "bf16" else (4, 4, 8)
+    p_bytes, g_bytes, k = (2, 4 if config.grad_reduce == "fp32" else 2, 12) if config.precision == "bf16" else (4, 4, 8)
     out = {"params": p_bytes * psi_local / (dp if stage >= 3 else 1),
            "grads": g_bytes * psi_local / (dp if stage >= 2 else 1),
            "opt_state": k * psi_local / (dp if stage >= 1 else 1)}

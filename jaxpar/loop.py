@@ -1,5 +1,8 @@
 """The training loop: resume, compile once, dispatch step N then fetch step N-1's metrics, checkpoint,
-evaluate.
+evaluate; optionally trace steps START..END with jax.profiler (jaxpar.profiling).
+
+The attention kernel (`model.attention`) is resolved for the mesh's devices here, before the step
+is built, and said in one line (jaxpar.attention_choice).
 
 The only host syncs are the metric fetches of logged steps (one step late, so the device always has
 the next step queued), evaluations (every eval.every steps and at the end) and checkpoint saves,
@@ -20,13 +23,15 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxpar.attention_choice import resolve_attention
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import Config
+from jaxpar.config import Config, profile_steps
 from jaxpar.errors import ConfigError
 from jaxpar.data.pipeline import eval_data, train_data
 from jaxpar.metrics import MetricsWriter, mfu, model_flops_per_step, peak_flops_per_device
 from jaxpar.parallel.evaluate import Evaluator, metrics_from_sums
 from jaxpar.parallel.step import StepBuilder
+from jaxpar.profiling import StepProfiler
 
 SPIKE_WINDOW = 50  # logged losses in the running window of the spike detector
 SPIKE_SIGMAS = 3.0
@@ -61,6 +66,10 @@ class Preemption:
 
 def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = True) -> list[dict]:
     """Train (or resume) to `config.train.steps`; returns the metric records written in this run."""
+    is_main = jax.process_index() == 0
+    config, choice = resolve_attention(config, mesh)
+    if is_main:
+        print(choice)
     builder = StepBuilder(config, mesh)
     checkpoints = Checkpointer(workdir, config)
     try:
@@ -70,16 +79,18 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
             data.set_state(data_state)
         compile_start = time.perf_counter()
         step_fn = builder.jit_train_step().lower(state, builder.abstract_batch()).compile()
-        is_main = jax.process_index() == 0
         progress = tqdm(total=config.train.steps, initial=start, disable=not (is_main and show_progress),
                         unit="step", desc=f"compiled in {time.perf_counter() - compile_start:.1f}s; training")
         logger = StepLogger(MetricsWriter(workdir, enabled=is_main, resume_after=start), progress, config, builder,
                             mesh.size, start)
         evaluation = Evaluation(config, builder, logger) if config.data.eval else None
+        profiler = StepProfiler(profile_steps(config), workdir, announce=tqdm.write if is_main else lambda _: None)
         with Preemption() as preemption:
             try:
-                step = _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation)
+                step = _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation,
+                                  profiler)
             finally:
+                profiler.close()
                 progress.close()
                 logger.writer.close()
     finally:
@@ -89,15 +100,19 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
     return logger.records
 
 
-def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation=None) -> int:
+def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation,
+               profiler: StepProfiler) -> int:
     """The step loop; returns the last step run. Ends with a checkpoint of the last step (at the end,
     on preemption, or on a train.on_nan=stop), unless that step was just checkpointed, and, when the
     run reached train.steps, an evaluation of it."""
     step, saved, every, steps = start, start, config.checkpoint.every, config.train.steps
     try:
         while step < steps and not preemption.requested:
-            state, metrics = step_fn(state, data.next_batch())
+            profiler.before(step + 1, state)
+            with profiler.annotate(step + 1):
+                state, metrics = step_fn(state, data.next_batch())
             step += 1
+            profiler.after(step, (state, metrics))
             logger.flush()  # the previous logged step's metrics, fetched while this step runs
             if config.train.on_nan == "stop" and bool(metrics["skipped"]):  # a host sync per step, this mode only
                 logger.submit(step, metrics, is_last=True)

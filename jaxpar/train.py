@@ -3,6 +3,8 @@
     python -m jaxpar.train --config llama_tiny.py [--config.mesh.tp=4 ...] [--workdir DIR] [--dry_run]
 
 A config mistake prints one line naming the key and the fix and exits 2; no traceback.
+On GPUs the XLA flag bundle of jaxpar/xla_flags.py is merged into XLA_FLAGS before JAX starts (a flag
+already in XLA_FLAGS wins), and the line saying so is printed.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ def run(argv: list[str]) -> int:
         ensure_demo_data(config, is_primary=not args.process_id)
         check_paths(config)
 
+    from jaxpar.xla_flags import apply_gpu_bundle
+
+    is_first = not args.process_id and os.environ.get("SLURM_PROCID", "0") == "0"
+    apply_gpu_bundle(announce=print if is_first else None)  # before any JAX backend starts: XLA reads it once
     from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
 
     layout = Layout.for_config(config)
@@ -65,8 +71,11 @@ def run(argv: list[str]) -> int:
     mesh = layout.make_mesh(devices_for(layout, args.dry_run))
     (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
     if args.dry_run:
+        from jaxpar.attention_choice import resolve_attention
         from jaxpar.dry_run import dry_run, format_report, write_report
 
+        config, choice = resolve_attention(config, mesh)  # (training resolves it in jaxpar.loop.train)
+        print(choice)
         report = dry_run(config, mesh)
         print(format_report(report))
         print(f"wrote {write_report(report, workdir)}")

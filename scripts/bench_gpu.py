@@ -1,20 +1,32 @@
 """GPU throughput of jaxpar's own train step: a ~1B Llama in bf16 at seq 2048, one subprocess per variant.
 
     make bench-gpu                                   # = python scripts/bench_gpu.py (writes runs/bench_gpu/)
-    python scripts/bench_gpu.py [--variants none,selective,full] [--steps 5] [--warmup 2] [--batch 6] [--seq 2048]
+    python scripts/bench_gpu.py [--variants cudnn-none,xla-selective] [--steps 5] [--warmup 2] [--batch 6]
     python scripts/bench_gpu.py --smoke              # tiny model on CPU, same code path (tests/test_bench_gpu.py)
 
-Variants are names made of '-'-joined parts: a remat policy (none, dots, selective, full), `tpN`, `dpN`,
-`zeroK`; e.g. `selective`, `tp8`, `dp8-zero3-full`. Defaults: the three remat policies on one device,
-plus tp / ZeRO-1 / ZeRO-3 over all devices when there are several. `--batch` is per data-parallel
-replica (global batch = batch x dp). Each variant runs in its own process, so one that runs out of
-memory or time costs only its own row; its result is one JSON line on the child's stdout. Writes
-OUT_DIR/bench_gpu.json and OUT_DIR/bench_gpu.md after every variant, so a killed run keeps its rows.
+Variants are names made of '-'-joined parts: an attention kernel (xla, cudnn; absent: auto), a remat
+policy (none, dots, selective, full), `tpN`, `dpN`, `zeroK`; e.g. `cudnn-selective`, `cudnn-tp8`,
+`dp8-zero3-full`. `--batch` is per data-parallel replica (global batch = batch x dp). Each variant runs
+in its own process, so one that runs out of memory or time costs only its own row; its result is one
+JSON line on the child's stdout. Writes OUT_DIR/bench_gpu.json and OUT_DIR/bench_gpu.md after every
+variant, so a killed run keeps its rows. On GPUs the children run with jaxpar's XLA flag bundle
+(jaxpar/xla_flags.py) merged into XLA_FLAGS; `--smoke` (CPU) reports variants that need a GPU
+(cudnn) as skipped.
+
+Default variants, and why (the whole run must fit 5 minutes on one H200; a variant costs ~30 s of
+start-up, init, compile and 7 steps, so ~4 fit with room for a slow compile):
+- cudnn with remat none / selective / full: the remat trade-off on the kernel a GPU run uses (auto
+  picks cuDNN on H100 / H200), from fastest-if-it-fits to least memory;
+- xla with selective only: the attention kernel's own effect at the policy that runs on both (XLA's
+  none materialises the [B, N, S, S] scores, the memory cuDNN avoids; selective recomputes them);
+- with several GPUs, also tp / ZeRO-1 / ZeRO-3 over all of them (cudnn, remat none); `--budget`
+  skips what no longer fits.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -39,32 +51,43 @@ MODEL_1B = ModelConfig(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, 
 MODEL_SMOKE = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"  # CPU compile time
 REMATS = ("none", "dots", "selective", "full")
+ATTENTIONS = ("xla", "cudnn")  # model.attention; a name without one runs `auto`
 
 
 # ----------------------------------------------------------------------------- variants and config
 
 def parse_variant(name: str, n_devices: int) -> dict:
-    """'dp8-zero3-full' -> {remat, dp, tp, zero}; zeroK without dpN spreads dp over the devices tp leaves."""
-    spec, explicit_dp = {"remat": "none", "dp": 1, "tp": 1, "zero": 0}, False
+    """'cudnn-dp8-zero3-full' -> {attention, remat, dp, tp, zero}; zeroK without dpN spreads dp over the
+    devices tp leaves."""
+    spec, explicit_dp = {"attention": "auto", "remat": "none", "dp": 1, "tp": 1, "zero": 0}, False
     for part in name.split("-"):
         if part in REMATS:
             spec["remat"] = part
+        elif part in ATTENTIONS:
+            spec["attention"] = part
         elif m := re.fullmatch(r"(tp|dp|zero)(\d+)", part):
             spec[m[1]] = int(m[2])
             explicit_dp |= m[1] == "dp"
         else:
-            raise ValueError(f"variant '{name}': unknown part '{part}' (use {', '.join(REMATS)}, tpN, dpN, zeroK)")
+            raise ValueError(f"variant '{name}': unknown part '{part}' (use {', '.join(ATTENTIONS + REMATS)}, "
+                             f"tpN, dpN, zeroK)")
     if spec["zero"] and not explicit_dp:
         spec["dp"] = max(n_devices // spec["tp"], 1)
     return spec
 
 
 def default_variants(n_devices: int) -> list[str]:
-    """The remat policies on one device; with several devices also tp and ZeRO-1/3 over all of them."""
-    names = ["none", "selective", "full"]
+    """cuDNN x the three remat policies and XLA x selective on one device; with several devices also tp
+    and ZeRO-1/3 over all of them (the module docstring says why these)."""
+    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective"]
     if n_devices > 1:
-        names += [f"tp{n_devices}", f"dp{n_devices}-zero1", f"dp{n_devices}-zero3"]
+        names += [f"cudnn-tp{n_devices}", f"cudnn-dp{n_devices}-zero1", f"cudnn-dp{n_devices}-zero3"]
     return names
+
+
+def needs_gpu(spec: dict) -> str | None:
+    """Why a variant cannot run without a GPU (reported as skipped on CPU), or None."""
+    return "cuDNN flash attention needs a GPU" if spec["attention"] == "cudnn" else None
 
 
 def make_config(spec: dict, args) -> Config:
@@ -72,7 +95,7 @@ def make_config(spec: dict, args) -> Config:
     steps = args.warmup + args.steps
     config = Config(mesh=MeshConfig(dp=spec["dp"], tp=spec["tp"]), zero=ZeroConfig(stage=spec["zero"]),
                     precision="bf16", remat=RematConfig(policy=spec["remat"]),
-                    model=MODEL_SMOKE if args.smoke else MODEL_1B,
+                    model=dataclasses.replace(MODEL_SMOKE if args.smoke else MODEL_1B, attention=spec["attention"]),
                     train=TrainConfig(steps=steps, global_batch_size=args.batch * spec["dp"], seq_len=args.seq,
                                       warmup_steps=0))
     validate(config)
@@ -117,6 +140,7 @@ def run_variant(args) -> None:
     """Build jaxpar's sharded step for one variant, compile it, time `steps` steps after `warmup`."""
     import jax
 
+    from jaxpar.attention_choice import resolve_attention
     from jaxpar.data.synthetic import SyntheticData
     from jaxpar.mesh import Layout
     from jaxpar.metrics import model_flops_per_step
@@ -129,6 +153,8 @@ def run_variant(args) -> None:
         jax.config.update("jax_num_cpu_devices", layout.size)
     devices = jax.devices()[: layout.size]
     log = lambda msg: print(f"[{args.child}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    config, choice = resolve_attention(config, devices)  # cudnn where it cannot run: a one-line ConfigError
+    log(choice)
     builder = StepBuilder(config, layout.make_mesh(devices))
     t0 = time.perf_counter()
     state = jax.block_until_ready(builder.init_state(config.train.seed))
@@ -150,7 +176,8 @@ def run_variant(args) -> None:
     peak, _ = peak_flops(devices[0].device_kind, args.peak_tflops)
     flops = model_flops_per_step(config, config.train.seq_len)
     loss, mem = float(metrics["loss"]), peak_memory_bytes(devices)
-    emit({"variant": args.child, **spec, "devices": len(devices), "global_batch": config.train.global_batch_size,
+    emit({"variant": args.child, **spec, "attention": config.model.attention,  # the resolved kernel
+          "devices": len(devices), "global_batch": config.train.global_batch_size,
           "compile_s": compile_s, "step_time_s": step_s, "step_times_s": times, "tokens_per_s": tokens / step_s,
           "model_tflops_per_step": flops / 1e12,
           "mfu": flops / (step_s * len(devices) * peak) if peak else None,
@@ -169,6 +196,8 @@ def child_env(args, probing: bool) -> dict:
     if args.smoke:
         env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=args.cache_dir,
                    XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}".strip())
+    elif getattr(args, "gpu_xla_flags", None) is not None:  # the probe saw GPUs: jaxpar's bundle, user flags win
+        env["XLA_FLAGS"] = args.gpu_xla_flags
     if probing:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     else:
@@ -219,7 +248,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['variant']} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('mfu'), '.1%')} | "
                      f"{fmt(r.get('step_time_s'), '.3f')} | {fmt(r.get('peak_memory_gib'), '.1f')} | "
                      f"{fmt(r.get('compile_s'), '.1f')} | {fmt(r.get('loss'), '.4f')} | "
-                     f"{(r.get('error') or '').replace('|', '/')} |")
+                     f"{(r.get('error') or r.get('skipped') or '').replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -255,28 +284,46 @@ def run_all(args, start: float) -> int:
         **{k: getattr(model, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")},
         "params": param_count(model)}, "precision": "bf16", "batch": args.batch, "seq": args.seq,
         "warmup_steps": args.warmup, "timed_steps": args.steps, "peak_tflops_per_device": peak and peak / 1e12,
-        "peak_source": source, "xla_flags": os.environ.get("XLA_FLAGS", ""), "variants": []}
+        "peak_source": source, "xla_flags": gpu_xla_flags(args, facts), "variants": []}
     print(f"bench_gpu: {report['model']['params']:,} parameters; {facts['device_count']} x {facts['device_kind']}, "
           f"jax {facts['jax_version']}; MFU peak: {source}", flush=True)
     for name in names:
-        left = args.budget - (time.perf_counter() - start)
-        if left < 20:
-            row = {"error": f"skipped: --budget {args.budget:g} s used up"}
-        else:
-            try:
-                parse_variant(name, facts["device_count"])
-                row = spawn(args, ["--child", name, "--n_devices", str(facts["device_count"])],
-                            timeout=min(args.timeout, left))
-            except ValueError as err:
-                row = {"error": str(err)}
+        row = run_one(args, name, facts, left=args.budget - (time.perf_counter() - start))
         report["variants"].append({"variant": name, **row})
-        print(f"bench_gpu: {name}: " + (row.get("error") or f"{row['tokens_per_s']:,.0f} tokens/s, "
-              f"step {row['step_time_s']:.3f} s, compile {row['compile_s']:.1f} s"), flush=True)
+        print(f"bench_gpu: {name}: " + (row.get("error") or row.get("skipped") or f"{row['tokens_per_s']:,.0f} "
+              f"tokens/s, step {row['step_time_s']:.3f} s, compile {row['compile_s']:.1f} s"), flush=True)
         table = write(report, args.out_dir)
     print(table, flush=True)
     print(f"wrote {args.out_dir / 'bench_gpu.json'} and bench_gpu.md", flush=True)
-    good = all(not r.get("error") and r.get("loss_finite") for r in report["variants"])
+    good = all(r.get("skipped") or (not r.get("error") and r.get("loss_finite")) for r in report["variants"])
     return 0 if good else 1
+
+
+def gpu_xla_flags(args, facts: dict) -> str:
+    """On GPUs the children get jaxpar's XLA flag bundle merged into XLA_FLAGS (what jaxpar.train does),
+    said once here; the parent decides from the probe, so it never starts a JAX backend itself."""
+    from jaxpar.xla_flags import merge
+
+    if facts["platform"] != "gpu" or args.smoke:
+        return os.environ.get("XLA_FLAGS", "")
+    args.gpu_xla_flags, added, kept = merge(os.environ.get("XLA_FLAGS", ""))
+    print(f"bench_gpu: XLA flags for GPUs (jaxpar/xla_flags.py): {' '.join(added) or '(none added)'}"
+          + (f"; yours kept: {' '.join(kept)}" if kept else ""), flush=True)
+    return args.gpu_xla_flags
+
+
+def run_one(args, name: str, facts: dict, left: float) -> dict:
+    """One variant's row: its child's result, {'skipped': why} for a GPU-only variant without a GPU, or
+    {'error': ...} (bad name, failed child, budget used up)."""
+    try:
+        spec = parse_variant(name, facts["device_count"])
+    except ValueError as err:
+        return {"error": str(err)}
+    if facts["platform"] != "gpu" and (why := needs_gpu(spec)):
+        return {"skipped": f"skipped: {why} ({facts['platform'].upper()} here)", "error": None}
+    if left < 20:
+        return {"error": f"skipped: --budget {args.budget:g} s used up"}
+    return spawn(args, ["--child", name, "--n_devices", str(facts["device_count"])], timeout=min(args.timeout, left))
 
 
 def parse_args(argv):

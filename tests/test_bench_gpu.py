@@ -1,5 +1,5 @@
 """scripts/bench_gpu.py: the GPU benchmark's code path, run here as `--smoke` (tiny model, CPU, one
-process per variant), and its variant names, peak lookup and table."""
+process per variant; GPU-only variants reported as skipped), and its variant names, peak lookup and table."""
 
 import importlib.util
 import json
@@ -27,10 +27,16 @@ def run_smoke(out_dir: pathlib.Path, *flags: str) -> dict:
     return json.loads((out_dir / "bench_gpu.json").read_text())
 
 
-def check_rows(report: dict, names: list[str], out_dir: pathlib.Path) -> None:
+def check_rows(report: dict, names: list[str], out_dir: pathlib.Path, skipped=()) -> None:
+    """Every row measured (finite loss, timings), except those in `skipped`, which say why and hold no numbers."""
     assert [r["variant"] for r in report["variants"]] == names
     for row in report["variants"]:
         assert row["error"] is None, row
+        if row["variant"] in skipped:
+            assert row["skipped"].startswith("skipped: cuDNN flash attention needs a GPU"), row
+            assert "loss" not in row and "tokens_per_s" not in row
+            continue
+        assert "skipped" not in row and row["attention"] == "xla"  # auto and xla both run XLA's kernel on CPU
         assert math.isfinite(row["loss"]) and row["loss_finite"]
         assert row["tokens_per_s"] > 0 and row["step_time_s"] > 0 and row["compile_s"] > 0
         assert len(row["step_times_s"]) == report["warmup_steps"] + report["timed_steps"]
@@ -40,11 +46,16 @@ def check_rows(report: dict, names: list[str], out_dir: pathlib.Path) -> None:
     assert "tokens/s" in table[header] and "MFU" in table[header] and "peak memory (GiB)" in table[header]
     rows = [line for line in table[header + 2:] if line.startswith("|")]
     assert [line.split("|")[1].strip() for line in rows] == names
+    for line in rows:
+        assert ("skipped: cuDNN" in line) == (line.split("|")[1].strip() in skipped), line
 
 
 def test_smoke_default_variants(tmp_path):
+    """The one-GPU defaults on CPU: the cudnn variants are skipped (exit 0), xla-selective runs."""
     report = run_smoke(tmp_path)
-    check_rows(report, ["none", "selective", "full"], tmp_path)
+    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective"]
+    check_rows(report, names, tmp_path, skipped=names[:3])
+    assert report["xla_flags"] == ""  # no GPU bundle on CPU (and none set by the test's environment)
     assert report["precision"] == "bf16" and report["platform"] == "cpu" and report["device_count"] == 1
     assert report["jax_version"] and "--smoke" in report["command"]
     assert report["model"]["params"] > 0 and report["peak_tflops_per_device"] is None
@@ -53,7 +64,7 @@ def test_smoke_default_variants(tmp_path):
 @pytest.mark.slow
 def test_smoke_multi_device_variants(tmp_path):
     """tp and ZeRO-1/3 (the several-GPU variants) on emulated CPU devices."""
-    names = ["tp2", "dp2-zero1", "dp2-zero3"]
+    names = ["xla-tp2", "dp2-zero1", "dp2-zero3-full"]
     report = run_smoke(tmp_path, "--variants", ",".join(names))
     check_rows(report, names, tmp_path)
     assert [r["global_batch"] for r in report["variants"]] == [4, 8, 8]  # --batch is per dp replica
@@ -61,13 +72,19 @@ def test_smoke_multi_device_variants(tmp_path):
 
 def test_variant_names_and_defaults():
     bench = load_bench()
-    assert bench.parse_variant("selective", 1) == {"remat": "selective", "dp": 1, "tp": 1, "zero": 0}
-    assert bench.parse_variant("zero3", 8) == {"remat": "none", "dp": 8, "tp": 1, "zero": 3}
-    assert bench.parse_variant("tp2-zero1-full", 8) == {"remat": "full", "dp": 4, "tp": 2, "zero": 1}
+    assert bench.parse_variant("selective", 1) == {"attention": "auto", "remat": "selective", "dp": 1, "tp": 1,
+                                                   "zero": 0}
+    assert bench.parse_variant("zero3", 8) == {"attention": "auto", "remat": "none", "dp": 8, "tp": 1, "zero": 3}
+    assert bench.parse_variant("cudnn-tp2-zero1-full", 8) == {"attention": "cudnn", "remat": "full", "dp": 4,
+                                                              "tp": 2, "zero": 1}
+    assert bench.parse_variant("xla-none", 1)["attention"] == "xla"
     with pytest.raises(ValueError, match="unknown part 'pp2'"):
         bench.parse_variant("pp2", 8)
-    assert bench.default_variants(1) == ["none", "selective", "full"]
-    assert bench.default_variants(8) == ["none", "selective", "full", "tp8", "dp8-zero1", "dp8-zero3"]
+    one = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective"]
+    assert bench.default_variants(1) == one
+    assert bench.default_variants(8) == one + ["cudnn-tp8", "cudnn-dp8-zero1", "cudnn-dp8-zero3"]
+    assert [bool(bench.needs_gpu(bench.parse_variant(n, 8))) for n in bench.default_variants(8)] == \
+        [True, True, True, False, True, True, True]
 
 
 def test_bench_model_is_about_1b_and_valid():
@@ -77,8 +94,10 @@ def test_bench_model_is_about_1b_and_valid():
     args = bench.parse_args([])
     assert (args.batch, args.seq, args.steps, args.warmup) == (6, 2048, 5, 2)
     for name in bench.default_variants(8):
-        config = bench.make_config(bench.parse_variant(name, 8), args)  # validates the layout
+        spec = bench.parse_variant(name, 8)
+        config = bench.make_config(spec, args)  # validates the layout
         assert config.precision == "bf16" and config.train.seq_len == 2048
+        assert config.model.attention == spec["attention"] and config.model.head_dim == 128  # cuDNN-friendly
     assert 0.8e9 < param_count(bench.MODEL_1B) < 1.2e9
 
 

@@ -15,6 +15,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -23,6 +24,7 @@ from conftest import TINY_MODEL, builder_for, make_config, tp_local_params
 from jaxpar import hlo
 from jaxpar.config import RematConfig
 from jaxpar.dry_run import local_param_count
+from jaxpar.layers.collectives import after
 from jaxpar.models import llama
 
 B, S = 16, 16  # make_config's global batch and sequence length
@@ -141,10 +143,10 @@ def forward_optimised(n_layers: int) -> str:
 
 
 @functools.cache
-def step(dp: int, tp: int, stage: int, precision: str = "fp32", remat: str = "none"):
+def step(dp: int, tp: int, stage: int, precision: str = "fp32", remat: str = "none", grad_reduce: str = "fp32"):
     """(builder, lowered train step, pre-optimisation HLO)."""
     config = dataclasses.replace(make_config(dp=dp, tp=tp, stage=stage, precision=precision),
-                                 remat=RematConfig(policy=remat))
+                                 remat=RematConfig(policy=remat), grad_reduce=grad_reduce)
     builder = builder_for(config)
     lowered = builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch())
     return builder, lowered, lowered.as_text(dialect="hlo")
@@ -330,24 +332,38 @@ def test_hlo_parser_reads_mesh_replica_groups():
     assert hlo.collectives(text, builder.mesh) == hlo.collectives(explicit_groups(text), builder.mesh)
 
 
-# ----------------------------------------------------------------------------- 3. bf16 reductions
+# ----------------------------------------------------------------------------- 3. reduction dtypes
 
 @pytest.mark.parametrize("dp,tp", MESHES)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gradient_reduction_dtype_follows_precision(dp, tp, stage):
+    """bf16 compute reduces gradients over dp in fp32 (grad_reduce's default, as Megatron), or in bf16
+    with grad_reduce=bf16; ZeRO-3's per-use weight gathers move bf16 either way."""
     psi = tp_local_params(TINY_MODEL, tp)
     op = "all-reduce" if stage <= 1 else "reduce-scatter"
     scalars = SCALARS if op == "all-reduce" else 0  # the f32 loss / token-count psums ride with all-reduce
 
-    builder, _, pre = step(dp, tp, stage, "bf16")
-    entries = colls(pre, builder.mesh)
-    assert total(entries, op, "dp", "bf16")[1] == 2 * psi  # the whole tp-local gradient, in bf16
-    assert total(entries, op, "dp", "f32")[1] == scalars
-    if stage == 3:  # the per-use parameter gathers move bf16 too
-        assert total(entries, "all-gather", "dp", "bf16")[1] >= 2 * psi
-        assert total(entries, "all-gather", "dp", "f32") == (0, 0)
+    for grad_reduce, dtype, width in (("bf16", "bf16", 2), ("fp32", "f32", 4)):
+        builder, _, pre = step(dp, tp, stage, "bf16", grad_reduce=grad_reduce)
+        entries = colls(pre, builder.mesh)
+        assert total(entries, op, "dp", dtype)[1] == width * psi + (scalars if dtype == "f32" else 0)
+        assert total(entries, op, "dp", "bf16" if dtype == "f32" else "f32")[1] == (scalars if dtype == "bf16" else 0)
+        if stage == 3:  # the per-use parameter gathers move bf16 weights
+            assert total(entries, "all-gather", "dp", "bf16")[1] >= 2 * psi
+            assert total(entries, "all-gather", "dp", "f32") == (0, 0)
 
     builder, _, pre = step(dp, tp, stage, "fp32")
     entries = colls(pre, builder.mesh)
     assert total(entries, op, "dp", "f32")[1] == 4 * psi + scalars
     assert [e for e in entries if e["dtype"] == "bf16"] == []
+
+
+def test_after_orders_collectives_only_on_cpu(monkeypatch):
+    """The ordering dependency is a CPU deadlock fix: on XLA:CPU it adds a real data dependency, on any
+    other backend (GPUs) `after` is the identity and adds nothing to the program."""
+    x, dep = jnp.ones((4,)), jnp.full((2,), 3.0)
+    cpu_ops = str(jax.make_jaxpr(after)(x, dep))
+    assert "mul" in cpu_ops and "add" in cpu_ops
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert after(x, dep) is x
+    assert "mul" not in str(jax.make_jaxpr(lambda a, b: after(a, b))(x, dep))

@@ -47,13 +47,14 @@ def _fast_compile(self, compiler_options=None, **kwargs):
     return _compile(self, {**FAST_COMPILE, **(compiler_options or {})}, **kwargs)
 
 
-def small_config(dp: int, tp: int, stage: int):
-    return make_config(dp=dp, tp=tp, stage=stage, precision="bf16", model=MODEL)
+def small_config(dp: int, tp: int, stage: int, grad_reduce: str = "fp32"):
+    config = make_config(dp=dp, tp=tp, stage=stage, precision="bf16", model=MODEL)
+    return dataclasses.replace(config, grad_reduce=grad_reduce)
 
 
 @functools.cache
-def report(dp: int, tp: int, stage: int) -> dict:
-    config = small_config(dp, tp, stage)
+def report(dp: int, tp: int, stage: int, grad_reduce: str = "fp32") -> dict:
+    config = small_config(dp, tp, stage, grad_reduce)
     with mock.patch.object(jax.stages.Lowered, "compile", _fast_compile):
         return dr.dry_run(config, mesh_for(config))
 
@@ -81,7 +82,7 @@ def test_state_bytes_match_zero_table_bf16(dp, tp, stage):
     want = expected_bytes("bf16", stage, psi, dp)
     # the library's own formula is the ZeRO table ...
     assert an["params"] == want["params"] and an["opt_state"] == want["opt_state"]
-    assert an["grads"] == 2 * psi / (dp if stage >= 2 else 1)
+    assert an["grads"] == 4 * psi / (dp if stage >= 2 else 1)  # reduced in fp32 (grad_reduce's default)
     # ... and the real shard shapes agree with it
     assert pd["params"] == pytest.approx(want["params"], rel=0.05)
     assert pd["opt_state"] == pytest.approx(want["opt_state"], rel=0.05)
@@ -131,9 +132,23 @@ def test_memory_analysis_and_collectives_are_reported(dp, tp, stage):
     assert rep["collectives_requested"] and all(e["bytes"] > 0 for e in rep["collectives_requested"])
     assert 0 < rep["compile_s"] < 120
     assert (rep["devices"], rep["mesh"], rep["zero_stage"]) == (8, {"dp": dp, "pp": 1, "tp": tp}, stage)
-    # the gradients go over dp as the stage says (bf16, as jaxpar wrote them)
-    ops = {e["op"] for e in rep["collectives_requested"] if e["axis"] == "dp" and e["dtype"] == "bf16"}
-    assert ops == [{"all-reduce"}, {"all-reduce"}, {"reduce-scatter"}, {"reduce-scatter", "all-gather"}][stage]
+    # the gradients go over dp as the stage says, in fp32 (grad_reduce's default); ZeRO-3's weight
+    # gathers move bf16 weights
+    assert _dp_ops(rep, "f32") == [{"all-reduce"}, {"all-reduce"}, {"reduce-scatter"}, {"reduce-scatter"}][stage]
+    assert _dp_ops(rep, "bf16") == ({"all-gather"} if stage == 3 else set())
+
+
+def _dp_ops(rep: dict, dtype: str) -> set:
+    """Collectives over dp in `dtype` as jaxpar wrote them, leaving out the loss / token-count scalars."""
+    return {e["op"] for e in rep["collectives_requested"]
+            if e["axis"] == "dp" and e["dtype"] == dtype and e["bytes"] > 64 * e["count"]}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_grad_reduce_bf16_moves_the_gradients_in_bf16(stage):
+    rep = report(4, 2, stage, "bf16")
+    assert _dp_ops(rep, "bf16") == [None, {"all-reduce"}, {"reduce-scatter"}, {"reduce-scatter", "all-gather"}][stage]
+    assert _dp_ops(rep, "f32") == set()
 
 
 def test_fast_compile_keeps_memory_analysis():

@@ -67,12 +67,14 @@ LLAMA_LAYOUTS = {
     "dp2_tp4_zero1": dict(dp=2, tp=4, stage=1),
     "dp4_tp2_zero3": dict(dp=4, tp=2, stage=3),
     "pp2_dp2_tp2_zero2": dict(dp=2, pp=2, tp=2, stage=2),
+    "pp2_dp2_tp2_zero1_sequence_parallel": dict(dp=2, pp=2, tp=2, stage=1, sp=True),
 }
 
 
 @pytest.mark.parametrize("layout", LLAMA_LAYOUTS.values(), ids=LLAMA_LAYOUTS.keys())
 def test_text_eval_on_any_layout_equals_the_single_device_model(layout, rng):
-    config = make_config(**layout)
+    config = make_config(**{k: v for k, v in layout.items() if k != "sp"})
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence_parallel=layout.get("sp", False)))
     if layout.get("pp", 1) > 1:
         config = dataclasses.replace(config, pipeline=PipelineConfig(schedule="1f1b", microbatches=2))
     batch = text_batch(config, rng)

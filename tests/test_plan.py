@@ -32,8 +32,8 @@ def _fast_compile(self, compiler_options=None, **kwargs):
     return _compile(self, {**FAST_COMPILE, **(compiler_options or {})}, **kwargs)
 
 
-def tiny(dp=1, pp=1, tp=1, stage=0, remat="none", m=1, precision="fp32") -> Config:
-    config = Config(mesh=MeshConfig(dp, pp, tp), zero=ZeroConfig(stage), precision=precision,
+def tiny(dp=1, pp=1, tp=1, stage=0, remat="none", m=1, precision="fp32", sp=False) -> Config:
+    config = Config(mesh=MeshConfig(dp, pp, tp, sequence_parallel=sp), zero=ZeroConfig(stage), precision=precision,
                     train=TrainConfig(global_batch_size=16, seq_len=128), model=MODEL, remat=RematConfig(remat),
                     pipeline=PipelineConfig("1f1b", m))
     validate(config)
@@ -52,6 +52,8 @@ AGREEMENT = [  # attention-heavy (none), Megatron selective, ZeRO-2 with full re
     dict(dp=8, stage=2, remat="full"),
     dict(dp=2, pp=2, tp=2, stage=1, remat="full", m=4),
     dict(pp=4, tp=2, remat="none", m=8),  # 1F1B keeping 2p - 1 = 7 microbatches of full residuals on stage 0
+    dict(dp=2, tp=4, remat="selective", sp=True),  # sequence parallel: the residual stream split over tp
+    dict(pp=2, tp=4, remat="full", m=4, sp=True),  # ... and the pipeline's stash and sends
 ]
 
 
@@ -267,3 +269,24 @@ def test_cli_errors_are_one_line(args, expect):
     assert out.returncode == 2
     assert "Traceback" not in out.stderr
     assert out.stderr.count("\n") == 1 and expect in out.stderr
+
+
+def test_dp_traffic_by_stage_and_grad_reduce_dtype_and_what_overlaps():
+    """llama7b bf16 dp=8 (ZeRO's per-element bytes times the ring's (n-1)/n Psi): ZeRO-0 all-reduces
+    fp32 gradients (2 x 4); grad_reduce=bf16 halves that. ZeRO-1 reduce-scatters fp32 gradients and
+    gathers bf16 weights (4 + 2), all after the backward: nothing overlaps. ZeRO-3 adds the backward's
+    gathers (4 + 2 + 2), all inside the layer scans: hidden behind the compute but for one layer."""
+    hw = hardware.get("a100-80gb")
+
+    def times(stage, grad_reduce="fp32"):
+        config = load_config("llama7b.py", ["mesh.dp=8", "mesh.tp=1", f"zero.stage={stage}", "precision=bf16",
+                                            f"grad_reduce={grad_reduce}"])
+        return cost.step_time(config, hw, 8)
+
+    z0, z0_bf16, z1, z3 = times(0), times(0, "bf16"), times(1), times(3)
+    assert z0_bf16["dp_comm_s"] == pytest.approx(z0["dp_comm_s"] / 2)
+    assert z1["dp_comm_s"] == pytest.approx(z0["dp_comm_s"] * 6 / 8)
+    assert z3["dp_comm_s"] == pytest.approx(z0["dp_comm_s"] * 8 / 8)
+    assert z1["dp_exposed_s"] == z1["dp_comm_s"] and z1["step_s"] == z1["step_s_no_overlap"]
+    assert z3["dp_exposed_s"] == pytest.approx(z3["dp_comm_s"] / 32)  # 32 layers; compute is longer
+    assert z3["step_s"] == pytest.approx(z3["step_s_no_overlap"] - z3["dp_comm_s"] * 31 / 32)

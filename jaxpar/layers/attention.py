@@ -2,6 +2,13 @@
 
 Q/K/V projections are column-parallel (each tp rank owns n_heads/tp query heads and n_kv_heads/tp
 KV heads, no collective); the output projection is row-parallel (one all-reduce over tp).
+
+The core attention runs on the kernel the caller names (`implementation`, plain data resolved at
+start by jaxpar.attention_choice): "xla" (jax's reference path: materialises the [B, N, S, S]
+scores) or "cudnn" (cuDNN flash attention: the causal mask is a kernel mask type, so masked blocks
+are skipped; the prefix-LM mask goes in as `mask`, which jax hands to cuDNN as a dense additive
+bias). "auto" can only reach a layer unresolved (a model built without a device in mind, e.g. the
+single-device references of the tests) and means "xla", the path that runs everywhere.
 """
 
 import jax
@@ -30,20 +37,31 @@ def prefix_lm_mask(seq_len: int, prefix_len: int) -> jax.Array:
     return ((cols <= rows) | (cols < prefix_len))[None, None]
 
 
-def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives, prefix_len: int = 0) -> jax.Array:
+def kernel(implementation: str) -> str:
+    """The `implementation` argument of jax.nn.dot_product_attention for a config's attention value."""
+    if implementation not in ("auto", "xla", "cudnn", ""):
+        raise ValueError(f"attention implementation '{implementation}' is unknown; use xla or cudnn")
+    return "cudnn" if implementation == "cudnn" else "xla"
+
+
+def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives, prefix_len: int = 0,
+              implementation: str = "xla") -> jax.Array:
     """p: wq [D, N, H], wk / wv [D, K, H], wo [N, H, D] (N, K: this tp rank's heads).
 
     Causal; with `prefix_len` > 0 the prefix (e.g. image + instruction) attends bidirectionally.
+    `implementation`: "xla" or "cudnn" (module docstring).
     """
+    impl = kernel(implementation)
     q_BxSxNxH = checkpoint_name(jnp.einsum("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
     k_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wk"]), "key_proj")
     v_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wv"]), "value_proj")
     q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta), rope(k_BxSxKxH, rope_theta)
     if prefix_len > 0:
         mask = prefix_lm_mask(x_BxSxD.shape[1], prefix_len)
-        o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask)
+        o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, implementation=impl)
     else:
-        o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True)
+        o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True,
+                                                 implementation=impl)
     o_BxSxNxH = checkpoint_name(o_BxSxNxH, "attention_out")
     out_BxSxD = jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH, p["wo"])
-    return checkpoint_name(coll.tp_sum(out_BxSxD), "attention_proj")
+    return checkpoint_name(coll.row_parallel_sum(out_BxSxD), "attention_proj")

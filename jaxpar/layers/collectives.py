@@ -20,20 +20,25 @@ ZERO3_GATHERED = "zero3_gathered"  # checkpoint name of all-gathered ZeRO-3 weig
 
 
 def after(x: jax.Array, dependency: jax.Array) -> jax.Array:
-    """`x`, usable only once `dependency` is computed: fixes the order of two collectives.
+    """`x`, usable only once `dependency` is computed: fixes the order of two collectives on XLA:CPU.
 
     XLA:CPU runs independent ops concurrently and may start two independent collectives in a
     different order on different devices, which deadlocks (each waits in the other's rendezvous).
     `lax.optimization_barrier` does not survive its pipeline; this real data dependency does
-    (0 x one element: XLA does not fold float multiplies by zero, for NaN's sake). Free on GPUs.
+    (0 x one element: XLA does not fold float multiplies by zero, for NaN's sake). GPUs (NCCL on
+    ordered streams) do not need it, and there it would serialise sends behind compute, so on any
+    other backend `x` is returned untouched (the backend is known when the step is traced).
     """
+    if jax.default_backend() != "cpu":
+        return x
     zero = 0.0 * jax.lax.stop_gradient(dependency).reshape(-1)[0].astype(jnp.float32)
     return x + zero.astype(x.dtype)
 
 
-def _reduce_scatter_grad(axis: str, dim: int):
+def _reduce_scatter_grad(axis: str, dim: int, reduce_dtype):
     """identity(full, shard) -> full, whose gradient w.r.t. `shard` is the gradient of `full`
-    reduce-scattered over `axis`: ZeRO-2's reduce-scatter, issued per layer inside the backward."""
+    reduce-scattered over `axis` in `reduce_dtype` (None: its own): ZeRO-2's reduce-scatter, issued
+    per layer inside the backward."""
     @jax.custom_vjp
     def tap(full, shard):
         return full
@@ -42,10 +47,47 @@ def _reduce_scatter_grad(axis: str, dim: int):
         return full, None
 
     def backward(_, cotangent):
-        return None, jax.lax.psum_scatter(cotangent, axis, scatter_dimension=dim, tiled=True)
+        summed = jax.lax.psum_scatter(cotangent.astype(reduce_dtype or cotangent.dtype), axis,
+                                      scatter_dimension=dim, tiled=True)
+        return None, summed.astype(cotangent.dtype)
 
     tap.defvjp(forward, backward)
     return tap
+
+
+def _gather_weight(axis: str, dim: int, reduce_dtype):
+    """ZeRO-3's all-gather of a dp-sharded weight; its transpose reduce-scatters the gradient, in
+    `reduce_dtype` when one is given (fp32 sums of bf16 weights' gradients), else the weight's dtype."""
+    def gather(w):
+        return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+
+    if reduce_dtype is None:
+        return gather
+
+    @jax.custom_vjp
+    def gather_reducing_wide(w):
+        return gather(w)
+
+    def backward(_, cotangent):
+        summed = jax.lax.psum_scatter(cotangent.astype(reduce_dtype), axis, scatter_dimension=dim, tiled=True)
+        return (summed.astype(cotangent.dtype),)
+
+    gather_reducing_wide.defvjp(lambda w: (gather(w), None), backward)
+    return gather_reducing_wide
+
+
+def varying_of(aval) -> frozenset:
+    """The manual mesh axes an abstract value is typed as differing over (check_vma); jax 0.10 keeps
+    them in `manual_axis_type.varying`, later versions in `vma`."""
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        axis_type = getattr(aval, "manual_axis_type", None)
+        return frozenset(axis_type.varying if axis_type is not None else ())
+    return frozenset(vma)
+
+
+def _as_tuple(axes) -> tuple[str, ...]:
+    return () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +96,55 @@ class Collectives:
     zero3_axis: str | None = None  # ZeRO-3: weights arrive sharded over this axis and are gathered per use
     zero2_axis: str | None = None  # ZeRO-2: weights arrive as (full, grad tap) pairs, see gather_weights
     zero_logical_axis: str = "embed"  # which logical dim ZeRO shards
+    grad_reduce_dtype: Any = None  # dtype ZeRO-2 / ZeRO-3 reduce gradients in (None: the weights' own)
+    # Megatron sequence parallelism: outside the tensor-parallel regions the activations [B, S, D]
+    # are split over these axes along S (the residual stream, norms and the layer boundaries).
+    sequence_axis: str | tuple[str, ...] | None = None
 
     def tp_sum(self, x: jax.Array) -> jax.Array:
-        """All-reduce over tp: the output of a row-parallel layer, or a vocab-parallel partial."""
+        """All-reduce over tp: a vocab-parallel partial (or, without sequence parallelism, a
+        row-parallel output)."""
         return jax.lax.psum(x, self.tp_axis) if self.tp_axis else x
+
+    def row_parallel_sum(self, x_BxSxD: jax.Array) -> jax.Array:
+        """The output of a row-parallel layer (or the vocab-parallel embedding), summed over tp. With
+        sequence parallelism a reduce-scatter along S instead of the all-reduce: each rank keeps its
+        sequence shard (its transpose, the backward's all-gather, comes from JAX)."""
+        if not self.sequence_axis:
+            return self.tp_sum(x_BxSxD)
+        rest = tuple(a for a in _as_tuple(self.tp_axis) if a not in _as_tuple(self.sequence_axis))
+        if rest:  # e.g. the pipeline's (pp, tp) vocabulary split: the pp part stays an all-reduce
+            x_BxSxD = jax.lax.psum(x_BxSxD, rest)
+        return jax.lax.psum_scatter(x_BxSxD, self.sequence_axis, scatter_dimension=1, tiled=True)
+
+    def enter_tensor_parallel(self, x_BxSxD: jax.Array) -> jax.Array:
+        """The input of a tensor-parallel block (or of the vocab-parallel head), Megatron's `f`.
+
+        With sequence parallelism: the whole sequence, all-gathered along S (its transpose
+        reduce-scatters the input gradient). Without: `x` itself, typed as varying over tp once, so
+        the block's input gradient is one all-reduce over tp in the backward. (Left implicit, JAX
+        types it per use: q, k and v, or gate and up, would each get their own all-reduce.)
+        """
+        if self.sequence_axis:
+            return jax.lax.all_gather(x_BxSxD, self.sequence_axis, axis=1, tiled=True)
+        if not self.tp_axis:
+            return x_BxSxD
+        missing = tuple(a for a in _as_tuple(self.tp_axis) if a not in varying_of(jax.typeof(x_BxSxD)))
+        return jax.lax.pcast(x_BxSxD, missing, to="varying") if missing else x_BxSxD
+
+    def without_sequence_parallel(self) -> "Collectives":
+        return dataclasses.replace(self, sequence_axis=None)
+
+    def sequence_shard(self, x_BxSxD: jax.Array) -> jax.Array:
+        """This rank's slice along S of a sequence every tp rank holds whole (no communication)."""
+        if not self.sequence_axis:
+            return x_BxSxD
+        axes = _as_tuple(self.sequence_axis)
+        ways = 1
+        for axis in axes:
+            ways *= jax.lax.axis_size(axis)
+        size = x_BxSxD.shape[1] // ways
+        return jax.lax.dynamic_slice_in_dim(x_BxSxD, jax.lax.axis_index(axes) * size, size, axis=1)
 
     def tp_max(self, x: jax.Array) -> jax.Array:
         return jax.lax.pmax(x, self.tp_axis) if self.tp_axis else x
@@ -75,13 +162,14 @@ class Collectives:
         if self.zero2_axis:
             def use(axes, pair):
                 full, shard = pair
-                return _reduce_scatter_grad(self.zero2_axis, axes.index(self.zero_logical_axis))(full, shard)
+                dim = axes.index(self.zero_logical_axis)
+                return _reduce_scatter_grad(self.zero2_axis, dim, self.grad_reduce_dtype)(full, shard)
             return jax.tree.map(use, logical_axes, params, is_leaf=is_axes_leaf)
         if not self.zero3_axis:
             return params
 
         def gather(w, axes):
-            full = jax.lax.all_gather(w, self.zero3_axis, axis=axes.index(self.zero_logical_axis), tiled=True)
+            full = _gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis), self.grad_reduce_dtype)(w)
             return checkpoint_name(full, ZERO3_GATHERED)
 
         return jax.tree.map(gather, params, logical_axes)

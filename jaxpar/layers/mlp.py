@@ -13,4 +13,4 @@ def swiglu_mlp(x_BxSxD: jax.Array, p: dict, coll: Collectives) -> jax.Array:
     up_BxSxF = checkpoint_name(jnp.einsum("bsd,df->bsf", x_BxSxD, p["w_up"]), "mlp_up")
     hidden_BxSxF = jax.nn.silu(gate_BxSxF) * up_BxSxF
     out_BxSxD = jnp.einsum("bsf,fd->bsd", hidden_BxSxF, p["w_down"])
-    return checkpoint_name(coll.tp_sum(out_BxSxD), "mlp_out")
+    return checkpoint_name(coll.row_parallel_sum(out_BxSxD), "mlp_out")

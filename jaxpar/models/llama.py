@@ -83,10 +83,13 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def decoder_layer(x_BxSxD: jax.Array, p: dict, cfg: ModelConfig, coll: Collectives, prefix_len: int = 0) -> jax.Array:
+    """One layer. With sequence parallelism `x_BxSxD` is this rank's sequence shard: the norms run on
+    it, and each tensor-parallel block gathers the whole sequence on entry and reduce-scatters on exit."""
     p = coll.gather_weights(p, LAYER_AXES)
-    h_BxSxD = rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps)
-    x_BxSxD = x_BxSxD + attention(h_BxSxD, p, cfg.rope_theta, coll, prefix_len)
-    return x_BxSxD + swiglu_mlp(rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps), p, coll)
+    h_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps))
+    x_BxSxD = x_BxSxD + attention(h_BxSxD, p, cfg.rope_theta, coll, prefix_len, implementation=cfg.attention)
+    h_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps))
+    return x_BxSxD + swiglu_mlp(h_BxSxD, p, coll)
 
 
 def run_layers(x_BxSxD: jax.Array, layers: dict, cfg: ModelConfig, coll: Collectives,
@@ -109,7 +112,7 @@ def embed_tokens(params: dict, ids_BxS: jax.Array, coll: Collectives) -> jax.Arr
 def head_logits(params: dict, x_BxSxD: jax.Array, cfg: ModelConfig, coll: Collectives) -> jax.Array:
     """Final norm + vocab-parallel LM head: this rank's [B, S, V/tp] slice of fp32 logits."""
     head = coll.gather_weights({k: params[k] for k in HEAD_AXES}, HEAD_AXES)
-    x_BxSxD = rms_norm(x_BxSxD, head["final_norm"], cfg.norm_eps)
+    x_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, head["final_norm"], cfg.norm_eps))
     return jnp.einsum("bsd,dv->bsv", x_BxSxD, head["lm_head"], preferred_element_type=jnp.float32)
 
 

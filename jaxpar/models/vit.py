@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import VisionConfig
+from jaxpar.layers.attention import kernel
 from jaxpar.layers.collectives import Collectives
 from jaxpar.layers.norm import layer_norm
 
@@ -143,12 +144,14 @@ def patchify(images_BxHxWxC: jax.Array, patch: int) -> jax.Array:
     return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, (h // patch) * (w // patch), patch * patch * c)
 
 
-def vit_block(x_BxNxD: jax.Array, p: dict, coll: Collectives) -> jax.Array:
+def vit_block(x_BxNxD: jax.Array, p: dict, coll: Collectives, attention: str = "xla") -> jax.Array:
+    """One pre-LN block; `attention` is the core-attention kernel (jaxpar.layers.attention.kernel)."""
     p = coll.gather_weights(p, BLOCK_AXES)
     h = layer_norm(x_BxNxD, p["ln1_scale"], p["ln1_bias"])
     q, k, v = (checkpoint_name(jnp.einsum("bnd,dhk->bnhk", h, p[w]), name)
                for w, name in (("wq", "query_proj"), ("wk", "key_proj"), ("wv", "value_proj")))
-    o = checkpoint_name(jax.nn.dot_product_attention(q, k, v), "attention_out")  # bidirectional
+    o = checkpoint_name(jax.nn.dot_product_attention(q, k, v, implementation=kernel(attention)),
+                        "attention_out")  # bidirectional
     x_BxNxD = x_BxNxD + checkpoint_name(coll.tp_sum(jnp.einsum("bnhk,hkd->bnd", o, p["wo"])), "attention_proj")
     h = layer_norm(x_BxNxD, p["ln2_scale"], p["ln2_bias"])
     hidden = jax.nn.gelu(checkpoint_name(jnp.einsum("bnd,df->bnf", h, p["w_in"]), "mlp_up"))
@@ -175,7 +178,7 @@ def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll:
 
     def body(carry, block_and_film):
         block, film = block_and_film
-        carry = vit_block(carry, block, coll)
+        carry = vit_block(carry, block, coll, cfg.attention)
         if cfg.film:
             carry = carry * (1 + film[:, 0, None]) + film[:, 1, None]
         return carry, None

@@ -113,9 +113,11 @@ def encode_images(params: dict, batch: dict, config: Config, coll: Collectives =
 
 
 def llm_inputs(params: dict, image_tokens_BxIxD: jax.Array, inputs_BxT: jax.Array, coll: Collectives) -> jax.Array:
-    """The first pipeline stage's input: projected image tokens followed by the embedded text/actions."""
-    text_BxTxD = llama.embed_tokens(params, inputs_BxT, coll)
-    return jnp.concatenate([image_tokens_BxIxD.astype(text_BxTxD.dtype), text_BxTxD], axis=1)
+    """The first pipeline stage's input: projected image tokens followed by the embedded text/actions.
+    With sequence parallelism the whole sequence is assembled, then each rank keeps its shard (the
+    text alone would shard differently from image + text)."""
+    text_BxTxD = llama.embed_tokens(params, inputs_BxT, coll.without_sequence_parallel())
+    return coll.sequence_shard(jnp.concatenate([image_tokens_BxIxD.astype(text_BxTxD.dtype), text_BxTxD], axis=1))
 
 
 def prefix_len(config: Config) -> int:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.layers.collectives import after
+from jaxpar.layers.collectives import after, varying_of
 from jaxpar.parallel.residuals import InputStash, ResidualStash
 from jaxpar.parallel.schedule import IDLE, Schedule
 
@@ -56,13 +56,6 @@ class StagePieces:
     first_input: Callable
     body: Callable
     head_loss: Callable
-
-
-def varying_of(aval) -> frozenset:
-    """The manual mesh axes an abstract value is typed as differing over (check_vma); jax 0.10 keeps
-    them in `manual_axis_type.varying`, later versions in `vma`."""
-    vma = getattr(aval, "vma", None)
-    return frozenset(aval.manual_axis_type.varying if vma is None else vma)
 
 
 def varies_over(x, axis: str) -> bool:
@@ -91,8 +84,9 @@ class Pipeline:
     """Loss and local gradients of one dp shard's microbatches, pipelined over pp (inside shard_map)."""
 
     def __init__(self, schedule: Schedule, pieces: StagePieces, varying_axes: tuple[str, ...],
-                 stage_recompute: bool = False):
+                 stage_recompute: bool = False, activation_axes: tuple[str, ...] = ()):
         self.table, self.pieces, self.varying = schedule, pieces, varying_axes
+        self.act_varying = varying_axes + activation_axes  # sequence parallelism: activations vary over tp
         self.p, self.m, self.v = schedule.stages, schedule.microbatches, schedule.virtual
         self.data_axes = tuple(a for a in varying_axes if a != PP)
         self.stash_kind = InputStash if stage_recompute else ResidualStash
@@ -242,7 +236,7 @@ class Pipeline:
         data_at = lambda i: jax.tree.map(lambda a: a[i], micro)  # noqa: E731
         extra_at = (lambda i: None) if extra is None else (lambda i: extra[i])  # noqa: E731
         shape = jax.eval_shape(lambda: self.pieces.first_input(first, extra_at(0), data_at(0)))
-        x_zeros = _pcast(jnp.zeros(shape.shape, shape.dtype), self.varying)
+        x_zeros = _pcast(jnp.zeros(shape.shape, shape.dtype), self.act_varying)
         return {"first": first, "head": head, "layers": params["layers"], "data_at": data_at,
                 "extra_at": extra_at, "act": (shape.shape, shape.dtype), "x0": x_zeros}
 
@@ -263,7 +257,7 @@ class Pipeline:
                  "grads": self._zeros_f32({"first": ctx["first"], "layers": ctx["layers"], "head": ctx["head"]}),
                  "loss": self._data_typed(jnp.zeros((), jnp.float32))}
         if self.split_backward:
-            carry["cot_stash"] = _pcast(jnp.zeros((slots,) + ctx["act"][0], ctx["act"][1]), self.varying)
+            carry["cot_stash"] = _pcast(jnp.zeros((slots,) + ctx["act"][0], ctx["act"][1]), self.act_varying)
         if extra is not None:
             carry["d_extra"] = zeros_typed(jax.typeof(extra).update(dtype=jnp.float32))
         for phase in self.table.phases:

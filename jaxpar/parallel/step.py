@@ -3,11 +3,12 @@
 Design (docs/design.md has the longer story):
 - Loss and gradients run inside one `jax.shard_map` over the whole mesh with hand-written
   collectives, so every byte that moves is one we asked for: 2 all-reduces over tp per layer
-  forward (row-parallel outputs) and 2 backward (input grads of column-parallel layers, inserted by
-  JAX's transpose of the implicit tp broadcast), vocab-parallel loss, and one gradient reduction
-  over dp: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2); ZeRO-3 gathers each layer's weights
-  just before use and its transpose reduce-scatters the gradients. In bf16 the gathers and
-  reductions move bf16.
+  forward (row-parallel outputs) and 2 backward (the input gradient of each tensor-parallel block:
+  the transpose of `Collectives.enter_tensor_parallel`), vocab-parallel loss, and one gradient
+  reduction over dp: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2); with sequence parallelism
+  the tp all-reduces become reduce-scatter / all-gather pairs; ZeRO-3 gathers each layer's weights
+  just before use and its transpose reduce-scatters the gradients. In bf16 the gathers move bf16;
+  gradient reductions over dp move fp32 (`grad_reduce=bf16` halves their bytes).
 - The optimizer runs after the shard_map on global arrays whose shardings follow the ZeRO table in
   jaxpar.sharding; XLA slices / all-gathers between the gradient, optimizer and parameter layouts.
 - Mixed precision as DeepSpeed: `params` are the compute-dtype copy (bf16), `master` the fp32
@@ -85,6 +86,8 @@ class StepBuilder:
         self.schedule = lr_schedule(config.train)
         self.bf16 = config.precision == "bf16"
         self.compute_dtype = jnp.bfloat16 if self.bf16 else jnp.float32
+        # gradients are reduced over dp in fp32 unless grad_reduce=bf16 (Megatron's default is fp32 too)
+        self.grad_reduce_dtype = jnp.bfloat16 if self.bf16 and config.grad_reduce == "bf16" else jnp.float32
         _check_host_memory(config, mesh)
         self.dp_axis = DP if mesh.shape[DP] > 1 else None  # no dp collectives at all when dp == 1
         self.gathers_weights = self.stage >= 3 and self.dp_axis is not None  # ZeRO-3 with something to gather
@@ -177,9 +180,11 @@ class StepBuilder:
 
     # ------------------------------------------------------------------ loss and gradients
     def collectives(self) -> Collectives:
-        return Collectives(tp_axis=tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None,
+        tp = tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None
+        return Collectives(tp_axis=tp, sequence_axis=tp if self.config.mesh.sequence_parallel else None,
                            zero3_axis=DP if self.gathers_weights else None,
-                           zero2_axis=DP if self.taps_grads else None)
+                           zero2_axis=DP if self.taps_grads else None,
+                           grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None)
 
     def remat_policy(self):
         """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""
@@ -190,7 +195,7 @@ class StepBuilder:
         reduce-scattered inside the backward, layer by layer."""
         if self.dp_axis is None or self.gathers_weights or self.taps_grads:
             return grads
-        return reduce_gradients(grads, self.axes, DP, self.stage >= 2, self.specs_rules, self.compute_dtype)
+        return reduce_gradients(grads, self.axes, DP, self.stage >= 2, self.specs_rules, self.grad_reduce_dtype)
 
     def _local_loss_and_grads(self, params, batch):
         """Per-device body of the shard_map: (vision encoder,) the LLM, then the gradient reductions."""
@@ -204,7 +209,7 @@ class StepBuilder:
         grads = self._reduce_grads_over_dp(grads)
         if vision_vjp is not None:
             (vision_grads,) = vision_vjp(d_image.astype(image_tokens.dtype))
-            grads.update(self.vision.reduce_grads(vision_grads, self.compute_dtype))
+            grads.update(self.vision.reduce_grads(vision_grads, self.grad_reduce_dtype))
         return self._dp_sum(loss), grads
 
     def _llm_loss_and_grads(self, params, batch, image_tokens, token_count):
@@ -277,7 +282,9 @@ class StepBuilder:
         table = pipeline_schedule.build(schedule or pipe.schedule, self.mesh.shape["pp"], pipe.microbatches,
                                         pipe.virtual_stages)
         varying = ("pp",) + ((DP,) if self.dp_axis else ())
-        return Pipeline(table, self.stage_pieces(coll, policy, token_count), varying, pipe.stage_recompute)
+        seq_axes = coll.sequence_axis or ()  # sequence-parallel activations also vary over tp
+        return Pipeline(table, self.stage_pieces(coll, policy, token_count), varying, pipe.stage_recompute,
+                        activation_axes=seq_axes if isinstance(seq_axes, tuple) else (seq_axes,))
 
     def pipeline_inputs(self, params, batch, image_tokens):
         """The LLM's weights as the pipeline's pieces, and the batch (and image tokens) by microbatch."""

@@ -9,7 +9,7 @@ from jaxpar.sharding import Rules, zero_dim
 
 def reduce_gradients(grads, logical_axes, mesh_axes, scatter: bool, rules: Rules, dtype):
     """Sum gradients over `mesh_axes` (ZeRO 0/1: all-reduce) or reduce-scatter each one on its ZeRO
-    dim (ZeRO 2), moving them in `dtype` (bf16 under mixed precision)."""
+    dim (ZeRO 2), moving them in `dtype` (fp32 by default; bf16 with grad_reduce=bf16)."""
     if scatter:
         def scatter_one(g, axes):
             return jax.lax.psum_scatter(g.astype(dtype), mesh_axes, scatter_dimension=zero_dim(axes, rules),

@@ -31,7 +31,7 @@ from jaxpar.config import Config
 from jaxpar.metrics import model_flops_per_step
 from jaxpar.models import vit
 from jaxpar.planner.hardware import GB, Hardware
-from jaxpar.planner.memory import (Block, llm_block, local_params, microbatch, pipeline_field, pipeline_table,
+from jaxpar.planner.memory import (Block, llm_block, local_params, microbatch, pipeline_table,
                                   seq_len, vision_data_ways, vit_block)
 
 # The parts of one layer's forward each remat policy computes again in the backward (layer_forward keys).
@@ -41,30 +41,19 @@ RECOMPUTED = {"none": (), "dots": (), "selective": ("scores",), "offload": ("sco
 
 def bubble_fraction(config: Config) -> float:
     """Idle share of the executed pipeline slots from the schedule table (cost-weighted: F=1, B=2;
-    zb F=B=W=1), 0 without a pipeline; closed forms when the table cannot be built."""
-    p, m, v = config.mesh.pp, config.pipeline.microbatches, pipeline_field(config, "virtual_stages", 1)
-    if p <= 1:
-        return 0.0
+    zb F=B=W=1), 0 without a pipeline."""
     table = pipeline_table(config)
-    if table is None:
-        idle = 2 * (p - 1) if config.pipeline.schedule == "zb" else p - 1
-        return idle / ((3 if config.pipeline.schedule == "zb" else 1) * v * m + idle)
-    return float(getattr(table, "bubble_fraction", getattr(table, "idle_fraction", None))())
+    return 0.0 if table is None else float(table.bubble_fraction())
 
 
 def slot_counts(config: Config) -> dict[str, int]:
     """Chunk slots of each kind (F, B, W) one device executes: the ticks in which the kind is active
     anywhere, since a stage without work computes masked garbage (1f1b: v m + p - 1 F and B; zb: m + p
     - 1 F and B, m W). Without a pipeline: one F and one B per pass, no idle slot."""
-    p, m, v = config.mesh.pp, config.pipeline.microbatches, pipeline_field(config, "virtual_stages", 1)
-    if p <= 1:
-        return {"F": 1, "B": 1, "W": 0}
     table = pipeline_table(config)
-    phases = getattr(table, "phases", ())
-    if table is None or not all(hasattr(ph, "kinds") for ph in phases):
-        zb = config.pipeline.schedule == "zb"
-        return {"F": v * m + p - 1, "B": v * m + p - 1, "W": m if zb else 0}
-    return {k: sum(ph.count for ph in phases if k in ph.kinds) for k in "FBW"}
+    if table is None:
+        return {"F": 1, "B": 1, "W": 0}
+    return {k: sum(ph.count for ph in table.phases if k in ph.kinds) for k in "FBW"}
 
 
 def layer_forward(blk: Block, b: int, s: int) -> dict[str, float]:
@@ -99,10 +88,10 @@ def llm_flops(config: Config) -> dict[str, float]:
     s, b = seq_len(config), microbatch(config)
     pipelined, policy = mesh.pp > 1, config.remat.policy
     passes = config.pipeline.microbatches if pipelined else config.train.grad_accum
-    v = pipeline_field(config, "virtual_stages", 1) if pipelined else 1
+    v = config.pipeline.virtual_stages if pipelined else 1
     fwd, layers = layer_forward(llm_block(config), b, s), m.n_layers // mesh.pp
     again = layers * recompute(fwd, policy)
-    if pipelined and pipeline_field(config, "stage_recompute", False):
+    if pipelined and config.pipeline.stage_recompute:
         dead = fwd["total" if policy == "full" else "mlp_out"] if layers == v else 0.0
         again += layers * fwd["total"] - v * dead
     zb = pipelined and config.pipeline.schedule == "zb"
@@ -173,22 +162,50 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     passes = config.pipeline.microbatches if p > 1 else config.train.grad_accum
     activation = c * microbatch(config) * seq_len(config) * m.d_model  # one [b, s, d] in compute dtype
     # tp: 2 all-reduces per layer forward, 2 backward, 2 more per recomputed forward (full remat, stage recompute)
-    forwards = 1 + (config.remat.policy == "full") + (p > 1 and bool(pipeline_field(config, "stage_recompute", False)))
+    forwards = 1 + (config.remat.policy == "full") + (p > 1 and config.pipeline.stage_recompute)
     tp_bw, tp_link = link_bandwidth(1, mesh.tp, gpus_per_node, hw)
     tp_s = ring_allreduce_s((2 * forwards + 2) * (m.n_layers // p) * passes * activation, mesh.tp, tp_bw)
-    # dp: ZeRO 0-2 move 2 Psi (reduce-scatter + all-gather), ZeRO-3 3 Psi
-    counts = local_params(config)
-    dp_bw, dp_link = link_bandwidth(mesh.pp * mesh.tp, mesh.dp, gpus_per_node, hw)
-    dp_s = ring_allreduce_s(c * (counts["llm_layers"] + counts["llm_rest"]), mesh.dp, dp_bw) * (
-        1.5 if config.zero.stage == 3 else 1.0)
+    dp = _dp_comm_s(config, hw, gpus_per_node, c)
     # pp: one activation per executed F slot and one cotangent per B slot, point to point; per
     # microbatch 4 all-reduces over pp (embedding output and last hidden state, forward and backward)
     pp_bw, pp_link = link_bandwidth(mesh.tp, p, gpus_per_node, hw)
     slots = slot_counts(config)
     pp_s = 0.0 if p == 1 else ((slots["F"] + slots["B"]) * activation / pp_bw
                                + 4 * passes * ring_allreduce_s(activation, p, pp_bw))
-    return {"tp_comm_s": tp_s, "dp_comm_s": dp_s, "pp_comm_s": pp_s,
-            "links": {"tp": tp_link, "dp": dp_link, "pp": pp_link}}
+    return {"tp_comm_s": tp_s, "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"], "pp_comm_s": pp_s,
+            "links": {"tp": tp_link, "dp": dp["link"], "pp": pp_link}}
+
+
+def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> dict:
+    """The step's dp traffic in seconds, and the part issued per layer inside the layer scans.
+
+    Gradients move in grad_reduce's dtype (fp32 by default), weights in the compute dtype. ZeRO-0:
+    one all-reduce of the gradients; ZeRO-1/2: their reduce-scatter + the all-gather of the updated
+    weights; ZeRO-3: the gradients' reduce-scatter + the weights' gathers in the forward and again
+    in the backward. ZeRO-3's gathers and reduce-scatters, and ZeRO-2's without a pipeline, run per
+    layer inside the scans, where GPUs can overlap them with the other layers' compute."""
+    mesh, stage = config.mesh, config.zero.stage
+    counts = local_params(config)
+    psi = counts["llm_layers"] + counts["llm_rest"]
+    g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
+    bw, link = link_bandwidth(mesh.pp * mesh.tp, mesh.dp, gpus_per_node, hw)
+    ring = 0.0 if mesh.dp <= 1 else (mesh.dp - 1) / mesh.dp * psi / bw  # seconds per byte of each element
+    if stage == 0:
+        return {"total": 2 * g * ring, "in_scan": 0.0, "link": link}
+    if stage < 3:
+        per_layer = stage == 2 and mesh.pp == 1
+        return {"total": (g + c) * ring, "in_scan": g * ring if per_layer else 0.0, "link": link}
+    return {"total": (g + 2 * c) * ring, "in_scan": (g + 2 * c) * ring, "link": link}
+
+
+def exposed_dp_s(dp_total: float, dp_in_scan: float, layers: int, compute_s: float) -> float:
+    """dp seconds left on the critical path when the per-layer collectives overlap the other layers'
+    compute (GPUs, with xla_flags' latency-hiding scheduler and pipelined collectives): one layer's
+    share is never hidden, nor is what exceeds the compute; the rest (after the scans) is exposed."""
+    if dp_in_scan <= 0:
+        return dp_total
+    hidden = min(dp_in_scan * (1 - 1 / max(layers, 1)), compute_s)
+    return dp_total - hidden
 
 
 def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
@@ -201,8 +218,12 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     comm = _comm_s(config, hw, gpus_per_node)
     compute_s = busy_layers_s + (parts["head"] + parts["vision"]) / rate
     bubble_s = idle / (1 - idle) * (busy_layers_s + comm["tp_comm_s"])
-    total = compute_s + bubble_s + comm["tp_comm_s"] + comm["dp_comm_s"] + comm["pp_comm_s"]
+    layers = config.model.n_layers // config.mesh.pp
+    comm["dp_exposed_s"] = exposed_dp_s(comm["dp_comm_s"], comm["dp_in_scan_s"], layers, busy_layers_s)
+    without_overlap = compute_s + bubble_s + comm["tp_comm_s"] + comm["dp_comm_s"] + comm["pp_comm_s"]
+    total = without_overlap - comm["dp_comm_s"] + comm["dp_exposed_s"]
     tokens = config.train.global_batch_size * seq_len(config)
-    return {"compute_s": compute_s, "bubble_s": bubble_s, "step_s": total, **comm,
+    return {"compute_s": compute_s, "bubble_s": bubble_s, "step_s": total, "step_s_no_overlap": without_overlap,
+            **comm,
             "mfu": flops["model_flops"] / (total * config.mesh.size * hw.peak_flops),
             "tokens_per_s": tokens / total, **flops}

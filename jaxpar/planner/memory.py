@@ -18,7 +18,6 @@ host (offloaded) bytes as device bytes. Only used to compare with dry runs on th
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 
 from jaxpar.config import Config
@@ -63,22 +62,12 @@ def local_params(config: Config) -> dict[str, int]:
     return out
 
 
-def pipeline_field(config: Config, name: str, default):
-    """pipeline.virtual_stages / stage_recompute, which the pipeline rewrite adds (defaults until then)."""
-    return getattr(config.pipeline, name, default)
-
-
-def pipeline_table(config: Config):
-    """The pipeline's schedule table, or None when the schedule module cannot build it (a module
-    from before virtual stages, or a schedule it does not know)."""
-    p, m, kind = config.mesh.pp, config.pipeline.microbatches, config.pipeline.schedule
-    v = pipeline_field(config, "virtual_stages", 1)
-    try:
-        if "virtual" in inspect.signature(schedules.build).parameters:
-            return schedules.build(kind, p, m, virtual=v)
-        return schedules.build(kind, p, m) if v == 1 else None
-    except ValueError:
+def pipeline_table(config: Config) -> schedules.Schedule | None:
+    """The pipeline's schedule table (None without a pipeline); a validated config always builds one."""
+    pp = config.pipeline
+    if config.mesh.pp <= 1:
         return None
+    return schedules.build(pp.schedule, config.mesh.pp, pp.microbatches, virtual=pp.virtual_stages)
 
 
 def vision_data_ways(config: Config) -> int:
@@ -99,12 +88,13 @@ class Block:
     f: int  # local MLP width
     heads: int  # local query heads
     gated: bool  # SwiGLU (two up projections) or GELU (one)
+    seq_split: int = 1  # sequence parallelism: the residual stream is split over tp along S
 
 
 def llm_block(config: Config) -> Block:
     m, tp = config.model, config.mesh.tp
     return Block(m.d_model, m.n_heads // tp * m.head_dim, m.n_kv_heads // tp * m.head_dim, m.d_ff // tp,
-                 m.n_heads // tp, True)
+                 m.n_heads // tp, True, tp if config.mesh.sequence_parallel else 1)
 
 
 def vit_block(config: Config) -> Block:
@@ -117,8 +107,8 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
     dtype bytes, b sequences of s tokens. Names are jaxpar's checkpoint_name tags (parallel/remat.py)."""
     t = b * s
     ups = 2 if blk.gated else 1
-    layer_input = c * t * blk.d
-    linear = c * t * (2 * blk.q + 2 * blk.kv + 2 * blk.d + ups * blk.f)  # q k v attn_out attn_proj mlp_out up(s)
+    layer_input = c * t * blk.d / blk.seq_split  # sequence parallel: residual-stream tensors are S / tp long
+    linear = c * t * (2 * blk.q + 2 * blk.kv + 2 * blk.d / blk.seq_split + ups * blk.f)  # q k v attn_out, attn_proj mlp_out, up(s)
     scores = b * blk.heads * s * s
     if policy == "full":
         return layer_input, 0.0
@@ -128,7 +118,7 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
         return layer_input + linear, 0.0
     if policy == "dots":  # + the fp32 attention scores matmul output and the MLP hidden
         return layer_input + linear + 4 * scores + c * t * blk.f, 0.0
-    # none: + norm outputs, fp32 RoPE'd q / k, SwiGLU hidden, and per score element 14 bytes: what the
+    # none: + norm outputs (sequence parallel: the all-gathered ones the projections keep, full length), fp32 RoPE'd q / k, SwiGLU hidden, and per score element 14 bytes: what the
     # compiled program keeps of XLA attention (three fp32 [b, h, s, s] buffers and a 2-byte remainder,
     # measured in fp32 and bf16 alike; JAX's own residuals are the fp32 and compute-dtype probabilities)
     extra = c * t * (2 * blk.d + 2 * blk.f) + 4 * t * (blk.q + blk.kv) + 14 * scores
@@ -180,7 +170,7 @@ def _activations(config: Config, c: int, target: str) -> dict:
     b, s = microbatch(config), seq_len(config)
     blk, layers = llm_block(config), m.n_layers // pp
     dev, host = saved_per_layer(policy, blk, b, s, c)
-    live_mb, ring = _pipeline_live(config, c * b * s * m.d_model)
+    live_mb, ring = _pipeline_live(config, c * b * s * m.d_model / blk.seq_split)
     saved = live_mb * layers * dev
     host_saved = live_mb * layers * host
     work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, b * s, c))
@@ -206,11 +196,10 @@ def _pipeline_live(config: Config, activation: float) -> tuple[float, float]:
         return 1.0, 0.0
     if kind == "gpipe":
         return float(m + pp - 1), 0.0
-    table = pipeline_table(config)
-    in_flight = int(max(table.in_flight())) if table is not None else 2 * pp - 1
-    if pipeline_field(config, "stage_recompute", False):
+    in_flight = int(max(pipeline_table(config).in_flight()))
+    if config.pipeline.stage_recompute:
         return 1.0, (in_flight + 2) * activation
-    return in_flight / pipeline_field(config, "virtual_stages", 1), 2 * activation
+    return in_flight / config.pipeline.virtual_stages, 2 * activation
 
 
 def _vision_activations(config: Config, c: int, target: str) -> dict:

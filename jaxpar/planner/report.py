@@ -32,8 +32,8 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
             "flops_per_step": time["model_flops"], "model_flops_per_device": time["model_flops_per_device"],
             "executed_flops_per_device": time["executed_flops_per_device"],
             "executed_flops_parts": time["executed_parts"],
-            "step_time": {k: time[k] for k in ("compute_s", "bubble_s", "tp_comm_s", "dp_comm_s", "pp_comm_s",
-                                               "step_s")},
+            "step_time": {k: time[k] for k in ("compute_s", "bubble_s", "tp_comm_s", "dp_comm_s", "dp_exposed_s",
+                                               "pp_comm_s", "step_s", "step_s_no_overlap")},
             "links": time["links"], "bubble_fraction": time["bubble_fraction"], "mfu": time["mfu"],
             "tokens_per_s": time["tokens_per_s"], "config": to_dict(config)}
 
@@ -52,7 +52,9 @@ def format_plan(report: dict) -> str:
     for key, label in (("compute_s", "compute"), ("bubble_s", f"pipeline bubble ({report['bubble_fraction']:.0%})"),
                        ("tp_comm_s", f"tp all-reduces ({report['links']['tp']})"),
                        ("dp_comm_s", f"dp gradient sync ({report['links']['dp']})"),
-                       ("pp_comm_s", f"pp sends ({report['links']['pp']})"), ("step_s", "total")):
+                       ("dp_exposed_s", "  of which not overlapped"),
+                       ("pp_comm_s", f"pp sends ({report['links']['pp']})"), ("step_s", "total (overlap modelled)"),
+                       ("step_s_no_overlap", "total without overlap")):
         lines.append(f"  {label:<40} {st[key]:9.3f}")
     lines.append(f"MFU {report['mfu']:.1%}, {report['tokens_per_s']:,.0f} tokens/s")
     return "\n".join(lines)
