@@ -6,7 +6,9 @@ group is the inner half of each LLM TP=8 group (jaxpar.mesh.Layout splits tp int
 the encoder's batch is split over dp x pp x the outer tp. One difference from the seed: its
 projector runs data-parallel over 64 GPUs, jaxpar's rides with the encoder (replicated inside each
 vision TP pair, so DP=32); the projector is ~20M parameters, so this costs nothing that shows.
-Peak per device from the dry run: about 49 GB (BENCHMARKS.md), well inside an A100-80GB.
+Compiled peak on XLA:CPU from the dry run: 43.9 GB per device (BENCHMARKS.md); no GPU has measured
+it. Sequence parallelism needs the sequence (256 image + 32 instruction + 6 action tokens = 294) to
+divide tp: with `actions.instruction_len=34` and `mesh.sequence_parallel=true` it compiles to 40.3 GB.
 
     python -m jaxpar.train --config vla70b.py --dry_run --workdir runs/vla70b_dry   # 64 emulated devices
     python -m jaxpar.train --config vla70b.py                                       # on 64 real GPUs

@@ -179,7 +179,7 @@ def _activations(config: Config, c: int, target: str) -> dict:
     if target == "cpu":  # the host bytes count, and bf16 residual stacks get an f32 twin
         out["saved"] += host_saved
         if config.precision == "bf16":  # the layer-input stack is held in f32: 4 - c more bytes per element
-            out["cpu_f32_twins"] = (4 - c) * live_mb * layers * b * s * m.d_model
+            out["cpu_f32_twins"] = (4 - c) * live_mb * layers * b * s * m.d_model / blk.seq_split
     if m.kind == "vla":
         out.update(_vision_activations(config, c, target))
     return out

@@ -25,9 +25,9 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _with(config: Config, dp, pp, tp, zero, remat, m, offload, vision_tp) -> Config:
+def _with(config: Config, dp, pp, tp, zero, remat, m, offload, vision_tp, sp=False) -> Config:
     return dataclasses.replace(
-        config, mesh=MeshConfig(dp, pp, tp), zero=ZeroConfig(zero), remat=RematConfig(remat),
+        config, mesh=MeshConfig(dp, pp, tp, sequence_parallel=sp), zero=ZeroConfig(zero), remat=RematConfig(remat),
         pipeline=_pipeline(config, pp, m),
         train=dataclasses.replace(config.train, grad_accum=1 if pp > 1 or config.model.kind == "vla" else m),
         offload=OffloadConfig(optimizer=offload, master_weights=True),
@@ -58,20 +58,23 @@ def candidates(config: Config, gpus: int) -> Iterator[Config]:
                 continue
             per_dp = batch // dp
             splits = [k for k in divisors(per_dp) if pp > 1 and k >= pp or pp == 1 and k <= 8] or [per_dp]
+            if pp == 1 and config.model.kind == "vla":  # a VLA encodes the whole batch at once: no grad_accum
+                splits = [1]
             for m in splits:
                 for zero in range(4 if pp == 1 else 3) if dp > 1 else (0,):  # dp=1: stages equal
                     for remat in REMATS:
                         for offload in (False, True):
                             if offload and remat != "full":
                                 continue  # checkpointing before offload: offload only on top of full remat
-                            for vision_tp in _vision_tps(config, tp):
-                                candidate = _with(config, dp, pp, tp, zero, remat, m, offload, vision_tp)
-                                try:
-                                    validate(candidate)
-                                except ConfigError:
-                                    continue
-                                yield candidate
-                                break
+                            for sp in (False, True) if tp > 1 else (False,):  # sequence parallel: less memory
+                                for vision_tp in _vision_tps(config, tp):
+                                    candidate = _with(config, dp, pp, tp, zero, remat, m, offload, vision_tp, sp)
+                                    try:
+                                        validate(candidate)
+                                    except ConfigError:
+                                        continue
+                                    yield candidate
+                                    break
 
 
 def evaluate(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
@@ -85,7 +88,8 @@ def describe(config: Config) -> str:
     split = f"m={config.pipeline.microbatches} ({config.pipeline.schedule})" if p > 1 else \
         f"grad_accum={config.train.grad_accum}"
     off = " +offload.optimizer" if config.offload.optimizer else ""
-    return f"dp={mesh.dp} pp={p} tp={mesh.tp} zero={config.zero.stage} remat={config.remat.policy}{off} {split}"
+    sp = " +sequence_parallel" if mesh.sequence_parallel else ""
+    return f"dp={mesh.dp} pp={p} tp={mesh.tp}{sp} zero={config.zero.stage} remat={config.remat.policy}{off} {split}"
 
 
 def rules(result: dict, gpus: int, gpus_per_node: int) -> list[tuple[str, bool, str]]:
@@ -105,6 +109,19 @@ def rules(result: dict, gpus: int, gpus_per_node: int) -> list[tuple[str, bool, 
     return out
 
 
+def _one_per_layout(ranked: list[dict]) -> list[dict]:
+    """Drop a sequence-parallel variant ranked after the same layout without it: it is listed only
+    where it is faster or needs less memory (ties keep the plain layout, which comes first)."""
+    seen, out = set(), []
+    for result in ranked:
+        key = describe(dataclasses.replace(result["config"], mesh=dataclasses.replace(
+            result["config"].mesh, sequence_parallel=False)))
+        if key not in seen:
+            seen.add(key)
+            out.append(result)
+    return out
+
+
 def recommend(config: Config, gpus: int, gpus_per_node: int, hw: Hardware, top: int = 5) -> dict:
     """The `top` fitting layouts by estimated tokens/s, the rules each follows, and the best layout
     that follows each rule (so a broken rule comes with its price)."""
@@ -117,7 +134,7 @@ def recommend(config: Config, gpus: int, gpus_per_node: int, hw: Hardware, top: 
     if not results:
         raise ConfigError(f"no valid (dp, pp, tp) layout of {gpus} GPUs for this model and global batch "
                           f"{config.train.global_batch_size}; change --gpus or train.global_batch_size")
-    fitting = sorted((r for r in results if r["fits"]), key=lambda r: (-r["tokens_per_s"], r["peak"]))
+    fitting = _one_per_layout(sorted((r for r in results if r["fits"]), key=lambda r: (-r["tokens_per_s"], r["peak"])))
     if not fitting:
         best = min(results, key=lambda r: r["peak"])
         raise ConfigError(f"no layout of {gpus} x {hw.name} fits: the smallest estimated peak is "

@@ -74,7 +74,7 @@ def format_recommendation(result: dict, gpus: int, gpus_per_node: int, hw: Hardw
     for rank, r in enumerate(result["ranked"], 1):
         lines.append(f"{rank}. {describe(r['config'])}: {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}, "
                      f"peak {r['peak'] / GB:.1f} GB, step {r['step_s']:.2f}s (compute {r['compute_s']:.2f}, "
-                     f"bubble {r['bubble_s']:.2f}, tp {r['tp_comm_s']:.2f}, dp {r['dp_comm_s']:.2f}, pp {r['pp_comm_s']:.2f})")
+                     f"bubble {r['bubble_s']:.2f}, tp {r['tp_comm_s']:.2f}, dp {r['dp_comm_s']:.2f} ({r['dp_exposed_s']:.2f} not overlapped), pp {r['pp_comm_s']:.2f})")
         for rule, ok, detail in rules(r, gpus, gpus_per_node):
             why = "" if ok else _price(rule, r, result["alternatives"].get(rule))
             lines.append(f"     {'follows' if ok else 'BREAKS '} \"{rule}\": {detail}{why}")
