@@ -431,16 +431,11 @@ def _validate_layout(config: Config) -> None:
         value = getattr(model, key)
         _require(value % tp == 0, f"mesh.tp={tp} does not divide model.{key}={value}; "
                                   f"choose a tp that divides {value} (tensor parallel splits it over tp)")
-    if mesh.sequence_parallel:
-        _require(tp > 1, "mesh.sequence_parallel=true needs mesh.tp > 1 (it splits the sequence over tp); "
-                         "set mesh.tp > 1 or turn it off")
-        seq, name = _llm_seq_len(config)
-        _require(seq % tp == 0, f"mesh.sequence_parallel=true splits the {name}={seq} over mesh.tp={tp}, which "
-                                f"does not divide it; make it a multiple of {tp}")
     _require(model.n_layers % mesh.pp == 0,
              f"mesh.pp={mesh.pp} does not divide model.n_layers={model.n_layers}; use a pp that divides it")
     _validate_pipeline(config)
-    _validate_vla(config)
+    _validate_vla(config)  # before the sequence check: a VLA's sequence needs valid vision sizes
+    _validate_sequence_parallel(config)
     splits = ("mesh.dp x pipeline.microbatches", config.pipeline.microbatches) if mesh.pp > 1 else \
         ("mesh.dp x train.grad_accum", train.grad_accum)
     per_step = mesh.dp * splits[1]
@@ -453,13 +448,19 @@ def _validate_layout(config: Config) -> None:
                  f"does not divide model.d_model={model.d_model}; pick a dp that divides it or zero.stage=0")
 
 
-def _llm_seq_len(config: Config) -> tuple[int, str]:
-    """The LLM's sequence length and what sets it (a VLA's: image + instruction + action tokens)."""
-    if config.model.kind != "vla":
-        return config.train.seq_len, "train.seq_len"
-    vis, act = config.vision, config.actions
-    image = vis.cameras * (vis.image_size // max(vis.patch_size, 1)) ** 2
-    return image + act.instruction_len + act.dims - 1, "VLA sequence (image + instruction + action tokens)"
+def _validate_sequence_parallel(config: Config) -> None:
+    """Sequence parallelism splits the LLM's sequence (a VLA's: image + instruction + action tokens) over tp."""
+    tp = config.mesh.tp
+    if not config.mesh.sequence_parallel:
+        return
+    _require(tp > 1, "mesh.sequence_parallel=true needs mesh.tp > 1 (it splits the sequence over tp); "
+                     "set mesh.tp > 1 or turn it off")
+    seq, name = config.train.seq_len, "train.seq_len"
+    if config.model.kind == "vla":
+        from jaxpar.models.vla import sequence_layout  # the models import this module
+        seq, name = sequence_layout(config)[2], "VLA sequence (image + instruction + action tokens)"
+    _require(seq % tp == 0, f"mesh.sequence_parallel=true splits the {name}={seq} over mesh.tp={tp}, which "
+                            f"does not divide it; make it a multiple of {tp}")
 
 
 def _validate_vla(config: Config) -> None:

@@ -15,7 +15,8 @@ from jaxpar.config import validate
 from jaxpar.dry_run import dry_run
 from jaxpar.errors import ConfigError
 from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
-from test_pipeline import BATCH, assert_matches_single_device, pipeline_config
+import test_vla
+from test_pipeline import assert_matches_single_device, pipeline_config
 
 
 def with_sp(config, on: bool = True):
@@ -72,7 +73,6 @@ def test_sequence_parallel_needs_tp_and_a_divisible_sequence():
 @pytest.mark.parametrize("vision_tp", [1, 2])
 def test_sequence_parallel_vla_matches_single_device(vision_tp):
     """(2,2,2) 1F1B: the image + instruction prefix is assembled whole, then split over tp along S."""
-    import test_vla
     ref_losses, ref_grads, _ = test_vla.reference()
     config = test_vla.with_values(test_vla.BASE, mesh=dict(dp=2, pp=2, tp=2, sequence_parallel=True),
                                   vision=dict(tp=vision_tp), pipeline=dict(schedule="1f1b"), zero=dict(stage=1))

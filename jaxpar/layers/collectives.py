@@ -132,6 +132,11 @@ class Collectives:
         missing = tuple(a for a in _as_tuple(self.tp_axis) if a not in varying_of(jax.typeof(x_BxSxD)))
         return jax.lax.pcast(x_BxSxD, missing, to="varying") if missing else x_BxSxD
 
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        """The axes the sequence is split over (empty without sequence parallelism)."""
+        return _as_tuple(self.sequence_axis)
+
     def without_sequence_parallel(self) -> "Collectives":
         return dataclasses.replace(self, sequence_axis=None)
 
@@ -139,7 +144,7 @@ class Collectives:
         """This rank's slice along S of a sequence every tp rank holds whole (no communication)."""
         if not self.sequence_axis:
             return x_BxSxD
-        axes = _as_tuple(self.sequence_axis)
+        axes = self.sequence_axes
         ways = 1
         for axis in axes:
             ways *= jax.lax.axis_size(axis)

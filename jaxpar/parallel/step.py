@@ -282,9 +282,8 @@ class StepBuilder:
         table = pipeline_schedule.build(schedule or pipe.schedule, self.mesh.shape["pp"], pipe.microbatches,
                                         pipe.virtual_stages)
         varying = ("pp",) + ((DP,) if self.dp_axis else ())
-        seq_axes = coll.sequence_axis or ()  # sequence-parallel activations also vary over tp
         return Pipeline(table, self.stage_pieces(coll, policy, token_count), varying, pipe.stage_recompute,
-                        activation_axes=seq_axes if isinstance(seq_axes, tuple) else (seq_axes,))
+                        activation_axes=coll.sequence_axes)  # sequence-parallel activations vary over tp too
 
     def pipeline_inputs(self, params, batch, image_tokens):
         """The LLM's weights as the pipeline's pieces, and the batch (and image tokens) by microbatch."""
