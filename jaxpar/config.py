@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.parallel import zero
 
 REPO_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
@@ -36,8 +37,15 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ZeroConfig:
+class VisionZeroConfig:
     stage: int = 0  # DeepSpeed semantics: 0 plain DP, 1 opt state, 2 + grads, 3 + params sharded over dp
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig(VisionZeroConfig):
+    # ZeRO-3 with remat.policy=full: all-gather layer i+1's weights while layer i computes, forward and
+    # backward (jaxpar.parallel.zero.prefetching_layer_scan); other policies gather each layer on use.
+    prefetch: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +130,7 @@ class VisionConfig:
     pos_init: str = "sincos2d"  # the trained position embedding starts as 2-D sin-cos, or "normal" (random)
     film: bool = False  # condition every block on the instruction (FiLM, as RT-1); see jaxpar.models.vit
     tp: int = 1  # a divisor of mesh.tp: the encoder's tensor-parallel group (1: pure data parallel)
-    zero: ZeroConfig = ZeroConfig()  # 0-2, over all devices not used by the vision tp
+    zero: VisionZeroConfig = VisionZeroConfig()  # 0-2, over all devices not used by the vision tp
     remat: RematConfig = RematConfig()
     attention: str = ""  # the encoder's attention kernel (auto, xla, cudnn); "" = as model.attention
 
@@ -532,8 +540,8 @@ def _validate_pipeline(config: Config) -> None:
     _require(config.train.grad_accum == 1, f"train.grad_accum={config.train.grad_accum} with mesh.pp={mesh.pp}: "
                                            f"the pipeline's microbatches accumulate gradients; set "
                                            f"pipeline.microbatches instead and train.grad_accum=1")
-    _require(config.zero.stage <= 2, f"zero.stage=3 with mesh.pp={mesh.pp} is refused (as in DeepSpeed): "
-                                     f"use zero.stage 0, 1 or 2 with pipeline parallelism")
+    refusal = zero.pipeline_refusal(config.zero.stage, mesh.pp)
+    _require(refusal is None, refusal)
     _validate_virtual_stages(config)
     _require(not (pipe.schedule == "zb" and pipe.stage_recompute),
              "pipeline.schedule=zb keeps each chunk's residuals for its weight-gradient (W) slot; "

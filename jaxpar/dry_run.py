@@ -79,7 +79,8 @@ def component_report(builder: StepBuilder, state) -> dict:
     config = builder.config
     llm_keys = [k for k in state.params if k not in VISION_KEYS]
     layouts = {"llm": {"keys": llm_keys, "dp": config.mesh.dp, "pp": config.mesh.pp, "tp": config.mesh.tp,
-                       "zero_stage": config.zero.stage, "remat": config.remat.policy,
+                       "zero_stage": config.zero.stage, "zero3_prefetch": builder.zero.prefetches,
+                       "remat": config.remat.policy,
                        "schedule": config.pipeline.schedule if config.mesh.pp > 1 else None}}
     if builder.vision is not None:
         layouts["vision+projector"] = {"keys": list(VISION_KEYS), **builder.vision.describe(builder.mesh)}

@@ -1,16 +1,10 @@
-"""Logical axes -> mesh axes: the one rules table, and the ZeRO stages as different mappings.
+"""Logical axes -> mesh axes: the one rules table, and where ZeRO's sharding goes.
 
 Model code names the dims of every weight with logical axes ("vocab", "embed", "heads", "mlp",
 "layers", ...). `RULES` maps each to at most one mesh axis (Megatron layout: heads, kv heads, mlp
 and vocab over tp; the stacked layer dim over pp). ZeRO adds one more mapping: the "embed" dim of a
-ZeRO-sharded state goes over dp (the dim every weight has; Levanter/MaxText shard FSDP the same way):
-
-| state            | stage 0 | stage 1 | stage 2 | stage 3 |
-|------------------|---------|---------|---------|---------|
-| params (compute) | -       | -       | -       | dp      |
-| gradients        | -       | -       | dp      | dp      |
-| optimizer state  | -       | dp      | dp      | dp      |
-| fp32 master      | -       | dp      | dp      | dp      |
+ZeRO-sharded state goes over dp (the dim every weight has; Levanter/MaxText shard FSDP the same way).
+Which states each ZeRO stage shards, and everything else ZeRO does, is in jaxpar.parallel.zero.
 
 A rule that lands two logical dims of one array on the same mesh axis is an error, not a silent drop.
 """
@@ -118,24 +112,3 @@ def tree_specs(axes_tree: Any, zero_sharded: bool = False, unused_axes=(), rules
 
 def unused_mesh_axes(mesh) -> tuple[str, ...]:
     return tuple(name for name, size in mesh.shape.items() if size == 1)
-
-
-class StateSpecs:
-    """PartitionSpecs of params / grads / optimizer state / master weights for one ZeRO stage."""
-
-    def __init__(self, axes_tree: Any, stage: int, mesh, rules: Rules | None = None):
-        unused = unused_mesh_axes(mesh)
-        rules = rules or llm_rules(mesh)
-        self.axes = axes_tree
-        self.stage = stage
-        self.params = tree_specs(axes_tree, stage >= 3, unused, rules)
-        self.grads = tree_specs(axes_tree, stage >= 2, unused, rules)
-        self.opt = tree_specs(axes_tree, stage >= 1, unused, rules)  # also the fp32 master weights
-
-    def merged(self, other: "StateSpecs") -> "StateSpecs":
-        """One component's specs next to another's (disjoint top-level keys)."""
-        out = object.__new__(StateSpecs)
-        out.axes, out.stage = {**self.axes, **other.axes}, self.stage
-        out.params, out.grads, out.opt = ({**a, **b} for a, b in ((self.params, other.params),
-                                                                  (self.grads, other.grads), (self.opt, other.opt)))
-        return out

@@ -8,15 +8,14 @@ same model code is the plain single-device model, which is what the equivalence 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.parallel import zero
 from jaxpar.sharding import is_axes_leaf
-
-ZERO3_GATHERED = "zero3_gathered"  # checkpoint name of all-gathered ZeRO-3 weights: never saved for backward
 
 
 def after(x: jax.Array, dependency: jax.Array) -> jax.Array:
@@ -33,47 +32,6 @@ def after(x: jax.Array, dependency: jax.Array) -> jax.Array:
         return x
     zero = 0.0 * jax.lax.stop_gradient(dependency).reshape(-1)[0].astype(jnp.float32)
     return x + zero.astype(x.dtype)
-
-
-def _reduce_scatter_grad(axis: str, dim: int, reduce_dtype):
-    """identity(full, shard) -> full, whose gradient w.r.t. `shard` is the gradient of `full`
-    reduce-scattered over `axis` in `reduce_dtype` (None: its own): ZeRO-2's reduce-scatter, issued
-    per layer inside the backward."""
-    @jax.custom_vjp
-    def tap(full, shard):
-        return full
-
-    def forward(full, shard):
-        return full, None
-
-    def backward(_, cotangent):
-        summed = jax.lax.psum_scatter(cotangent.astype(reduce_dtype or cotangent.dtype), axis,
-                                      scatter_dimension=dim, tiled=True)
-        return None, summed.astype(cotangent.dtype)
-
-    tap.defvjp(forward, backward)
-    return tap
-
-
-def _gather_weight(axis: str, dim: int, reduce_dtype):
-    """ZeRO-3's all-gather of a dp-sharded weight; its transpose reduce-scatters the gradient, in
-    `reduce_dtype` when one is given (fp32 sums of bf16 weights' gradients), else the weight's dtype."""
-    def gather(w):
-        return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
-
-    if reduce_dtype is None:
-        return gather
-
-    @jax.custom_vjp
-    def gather_reducing_wide(w):
-        return gather(w)
-
-    def backward(_, cotangent):
-        summed = jax.lax.psum_scatter(cotangent.astype(reduce_dtype), axis, scatter_dimension=dim, tiled=True)
-        return (summed.astype(cotangent.dtype),)
-
-    gather_reducing_wide.defvjp(lambda w: (gather(w), None), backward)
-    return gather_reducing_wide
 
 
 def varying_of(aval) -> frozenset:
@@ -97,6 +55,7 @@ class Collectives:
     zero2_axis: str | None = None  # ZeRO-2: weights arrive as (full, grad tap) pairs, see gather_weights
     zero_logical_axis: str = "embed"  # which logical dim ZeRO shards
     grad_reduce_dtype: Any = None  # dtype ZeRO-2 / ZeRO-3 reduce gradients in (None: the weights' own)
+    zero3_prefetch: bool = False  # ZeRO-3: gather layer i+1's weights while layer i computes (scan_layers)
     # Megatron sequence parallelism: outside the tensor-parallel regions the activations [B, S, D]
     # are split over these axes along S (the residual stream, norms and the layer boundaries).
     sequence_axis: str | tuple[str, ...] | None = None
@@ -168,13 +127,30 @@ class Collectives:
             def use(axes, pair):
                 full, shard = pair
                 dim = axes.index(self.zero_logical_axis)
-                return _reduce_scatter_grad(self.zero2_axis, dim, self.grad_reduce_dtype)(full, shard)
+                return zero.grad_tap(self.zero2_axis, dim, self.grad_reduce_dtype)(full, shard)
             return jax.tree.map(use, logical_axes, params, is_leaf=is_axes_leaf)
         if not self.zero3_axis:
             return params
 
         def gather(w, axes):
-            full = _gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis), self.grad_reduce_dtype)(w)
-            return checkpoint_name(full, ZERO3_GATHERED)
+            full = zero.gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis), self.grad_reduce_dtype)(w)
+            return checkpoint_name(full, zero.ZERO3_GATHERED)
 
         return jax.tree.map(gather, params, logical_axes)
+
+    def scan_layers(self, layer_fn: Callable, x: jax.Array, stacked: Any, layer_axes: Any,
+                    remat_policy: Callable | None = None) -> jax.Array:
+        """`x` through `layer_fn(x, weights)` for each layer of the stacked (leading "layers" dim)
+        weights, each layer's weights gathered first (`gather_weights`) and `remat_policy` (a
+        jax.checkpoint policy) around each layer if given. With ZeRO-3 prefetch, the next layer's
+        gather runs ahead of each layer's compute (jaxpar.parallel.zero.prefetching_layer_scan)."""
+        if self.zero3_axis and self.zero3_prefetch:
+            return zero.prefetching_layer_scan(layer_fn, x, stacked, layer_axes, self.zero3_axis,
+                                               self.zero_logical_axis, self.grad_reduce_dtype)
+
+        def body(x, weights):
+            return layer_fn(x, self.gather_weights(weights, layer_axes)), None
+
+        if remat_policy is not None:
+            body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
+        return jax.lax.scan(body, x, stacked)[0]

@@ -83,9 +83,9 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def decoder_layer(x_BxSxD: jax.Array, p: dict, cfg: ModelConfig, coll: Collectives, prefix_len: int = 0) -> jax.Array:
-    """One layer. With sequence parallelism `x_BxSxD` is this rank's sequence shard: the norms run on
-    it, and each tensor-parallel block gathers the whole sequence on entry and reduce-scatters on exit."""
-    p = coll.gather_weights(p, LAYER_AXES)
+    """One layer, `p` its (gathered) weights. With sequence parallelism `x_BxSxD` is this rank's
+    sequence shard: the norms run on it, and each tensor-parallel block gathers the whole sequence on
+    entry and reduce-scatters on exit."""
     h_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps))
     x_BxSxD = x_BxSxD + attention(h_BxSxD, p, cfg.rope_theta, coll, prefix_len, implementation=cfg.attention)
     h_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps))
@@ -95,13 +95,10 @@ def decoder_layer(x_BxSxD: jax.Array, p: dict, cfg: ModelConfig, coll: Collectiv
 def run_layers(x_BxSxD: jax.Array, layers: dict, cfg: ModelConfig, coll: Collectives,
                remat_policy: Callable | None = None, prefix_len: int = 0) -> jax.Array:
     """Scan the stacked layers; `remat_policy` (a jax.checkpoint policy) wraps each layer if given."""
-    def body(x, layer_params):
-        return decoder_layer(x, layer_params, cfg, coll, prefix_len), None
+    def layer(x, weights):
+        return decoder_layer(x, weights, cfg, coll, prefix_len)
 
-    if remat_policy is not None:
-        body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
-    x_BxSxD, _ = jax.lax.scan(body, x_BxSxD, layers)
-    return x_BxSxD
+    return coll.scan_layers(layer, x_BxSxD, layers, LAYER_AXES, remat_policy)
 
 
 def embed_tokens(params: dict, ids_BxS: jax.Array, coll: Collectives) -> jax.Array:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import jax
 
-from jaxpar.layers.collectives import ZERO3_GATHERED
+from jaxpar.parallel.zero import never_keep_gathered
 
 # Outputs of the linear layers of one decoder layer (checkpoint_name tags in the model).
 LINEAR_OUTPUTS = ("query_proj", "key_proj", "value_proj", "attention_out", "attention_proj",
@@ -50,12 +50,4 @@ def base_policy(name: str) -> Callable | None:
 def layer_policy(name: str, regathers_weights: bool) -> Callable | None:
     """`name`'s policy; with ZeRO-3 weight gathers, additionally never keep a gathered weight."""
     base = base_policy(name)
-    if not regathers_weights:
-        return base
-
-    def policy(prim, *args, **params):
-        if prim is jax.lax.all_gather_p or (prim.name == "name" and params.get("name") == ZERO3_GATHERED):
-            return False
-        return True if base is None else base(prim, *args, **params)
-
-    return policy
+    return never_keep_gathered(base) if regathers_weights else base

@@ -36,8 +36,8 @@ from jaxpar.parallel import remat, schedule as pipeline_schedule
 from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
-from jaxpar.parallel.zero import reduce_gradients
-from jaxpar.sharding import DP, StateSpecs, llm_rules, tensor_axes, zero_dim
+from jaxpar.parallel.zero import StateSpecs, ZeroPlan, reduce_gradients
+from jaxpar.sharding import DP, llm_rules, tensor_axes, zero_dim
 
 
 HOST = "pinned_host"  # memory kind of offloaded optimizer state
@@ -90,11 +90,10 @@ class StepBuilder:
         self.grad_reduce_dtype = jnp.bfloat16 if self.bf16 and config.grad_reduce == "bf16" else jnp.float32
         _check_host_memory(config, mesh)
         self.dp_axis = DP if mesh.shape[DP] > 1 else None  # no dp collectives at all when dp == 1
-        self.gathers_weights = self.stage >= 3 and self.dp_axis is not None  # ZeRO-3 with something to gather
+        self.zero = ZeroPlan(self.stage, mesh.shape[DP], mesh.shape["pp"] > 1, config.remat.policy,
+                             config.zero.prefetch)
+        self.gathers_weights, self.taps_grads = self.zero.gathers_weights, self.zero.taps_grads
         self.batch_spec = P(self.dp_axis, None)  # [batch, seq]: batch over dp
-        # ZeRO-2 without a pipeline reduce-scatters per layer inside the backward (grad taps); with a
-        # pipeline, gradients accumulate over microbatches and are reduce-scattered once at the end.
-        self.taps_grads = self.stage == 2 and self.dp_axis is not None and mesh.shape["pp"] == 1
 
     # ------------------------------------------------------------------ state layout
     def _named(self, specs, memory_kind: str | None = None):
@@ -183,7 +182,7 @@ class StepBuilder:
         tp = tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None
         return Collectives(tp_axis=tp, sequence_axis=tp if self.config.mesh.sequence_parallel else None,
                            zero3_axis=DP if self.gathers_weights else None,
-                           zero2_axis=DP if self.taps_grads else None,
+                           zero2_axis=DP if self.taps_grads else None, zero3_prefetch=self.zero.prefetches,
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None)
 
     def remat_policy(self):
@@ -193,7 +192,7 @@ class StepBuilder:
     def _reduce_grads_over_dp(self, grads):
         """The LLM's one gradient reduction over dp. ZeRO-3's gathers and ZeRO-2's grad taps already
         reduce-scattered inside the backward, layer by layer."""
-        if self.dp_axis is None or self.gathers_weights or self.taps_grads:
+        if not self.zero.reduces_after_backward:
             return grads
         return reduce_gradients(grads, self.axes, DP, self.stage >= 2, self.specs_rules, self.grad_reduce_dtype)
 

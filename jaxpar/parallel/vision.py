@@ -23,8 +23,8 @@ from jaxpar.config import Config
 from jaxpar.layers.collectives import Collectives
 from jaxpar.models import vit
 from jaxpar.parallel import remat
-from jaxpar.parallel.zero import reduce_gradients
-from jaxpar.sharding import StateSpecs, vision_rules
+from jaxpar.parallel.zero import StateSpecs, reduce_gradients
+from jaxpar.sharding import vision_rules
 
 
 class VisionComponent:

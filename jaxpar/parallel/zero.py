@@ -1,10 +1,104 @@
-"""ZeRO's gradient reduction over data-parallel mesh axes, shared by the LLM and the vision encoder."""
+"""ZeRO in one place: what each stage shards, reduces and gathers, for the LLM and the vision encoder.
+
+ZeRO shards state over the data-parallel axes on one logical dim of every weight ("embed"; the rules
+table in jaxpar.sharding says which mesh axes). Per stage (DeepSpeed's semantics):
+
+| stage | sharded over dp                     | gradient reduction over dp                      | gathered per use      |
+|-------|-------------------------------------|-------------------------------------------------|-----------------------|
+| 0     | nothing                             | one all-reduce after the backward               | -                     |
+| 1     | optimizer state, fp32 master        | one all-reduce; each rank updates its shard     | -                     |
+| 2     | + gradients                         | reduce-scatter per layer inside the backward    | -                     |
+|       |                                     | (grad taps); with a pipeline, once at the end   |                       |
+| 3     | + compute-dtype weights             | reduce-scatter per layer (the gather's          | each layer's weights, |
+|       |                                     | transpose)                                      | prefetched one ahead  |
+
+Every reduction moves gradients in `grad_reduce`'s dtype (fp32 unless the user picks bf16).
+
+- `StateSpecs`: the PartitionSpecs of params / grads / optimizer state / master per stage.
+- `ZeroPlan`: which of the mechanisms below one run uses (dp size, pipeline and remat decide).
+- `reduce_gradients`: the stage 0-2 reduction after the backward.
+- `grad_tap` (stage 2) and `gather_weight` (stage 3): the per-layer reduce-scatter inside the backward.
+- `prefetching_layer_scan` (stage 3 with full remat): the layer scan with layer i+1's all-gather
+  issued before layer i computes, in the forward and in the backward, and each layer's
+  reduce-scatter deferred to overlap the next layer's backward.
+- `never_keep_gathered`: a remat policy never saves a gathered weight for the backward.
+- `pipeline_refusal`: stage 3 with a pipeline is refused (as in DeepSpeed).
+"""
 
 from __future__ import annotations
 
-import jax
+import dataclasses
+from typing import Any, Callable
 
-from jaxpar.sharding import Rules, zero_dim
+import jax
+import jax.numpy as jnp
+
+from jaxpar.sharding import Rules, is_axes_leaf, llm_rules, tree_specs, unused_mesh_axes, zero_dim
+
+ZERO3_GATHERED = "zero3_gathered"  # checkpoint name of all-gathered ZeRO-3 weights: never saved for backward
+
+
+class StateSpecs:
+    """PartitionSpecs of params / grads / optimizer state / master weights for one ZeRO stage."""
+
+    def __init__(self, axes_tree: Any, stage: int, mesh, rules: Rules | None = None):
+        unused = unused_mesh_axes(mesh)
+        rules = rules or llm_rules(mesh)
+        self.axes = axes_tree
+        self.stage = stage
+        self.params = tree_specs(axes_tree, stage >= 3, unused, rules)
+        self.grads = tree_specs(axes_tree, stage >= 2, unused, rules)
+        self.opt = tree_specs(axes_tree, stage >= 1, unused, rules)  # also the fp32 master weights
+
+    def merged(self, other: "StateSpecs") -> "StateSpecs":
+        """One component's specs next to another's (disjoint top-level keys)."""
+        out = object.__new__(StateSpecs)
+        out.axes, out.stage = {**self.axes, **other.axes}, self.stage
+        out.params, out.grads, out.opt = ({**a, **b} for a, b in ((self.params, other.params),
+                                                                  (self.grads, other.grads), (self.opt, other.opt)))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroPlan:
+    """Which ZeRO mechanisms one run of the LLM uses."""
+
+    stage: int
+    dp: int  # data-parallel ways (1: no dp collectives at all)
+    pipelined: bool
+    remat: str  # the remat policy's name
+    prefetch: bool = True  # zero.prefetch
+
+    @property
+    def gathers_weights(self) -> bool:
+        """ZeRO-3 with something to gather."""
+        return self.stage >= 3 and self.dp > 1
+
+    @property
+    def prefetches(self) -> bool:
+        """Layer i+1's gather issued while layer i computes. Needs full remat: the backward recomputes
+        each layer from its input with the weights gathered again, so no gathered weight is ever saved."""
+        return self.gathers_weights and self.prefetch and self.remat == "full"
+
+    @property
+    def taps_grads(self) -> bool:
+        """ZeRO-2 without a pipeline reduce-scatters per layer inside the backward; with a pipeline,
+        gradients accumulate over microbatches and are reduce-scattered once at the end."""
+        return self.stage == 2 and self.dp > 1 and not self.pipelined
+
+    @property
+    def reduces_after_backward(self) -> bool:
+        """One reduction of all gradients after the backward (stages 0-1, pipelined stage 2)."""
+        return self.dp > 1 and not self.gathers_weights and not self.taps_grads
+
+
+def pipeline_refusal(stage: int, pp: int) -> str | None:
+    """Why a stage cannot run with a pipeline of `pp` stages (None: it can). ZeRO-3 would gather every
+    stage's weights once per microbatch; DeepSpeed refuses the combination too."""
+    if stage >= 3 and pp > 1:
+        return (f"zero.stage=3 with mesh.pp={pp} is refused (as in DeepSpeed): use zero.stage 0, 1 or 2 with "
+                f"pipeline parallelism")
+    return None
 
 
 def reduce_gradients(grads, logical_axes, mesh_axes, scatter: bool, rules: Rules, dtype):
@@ -16,3 +110,129 @@ def reduce_gradients(grads, logical_axes, mesh_axes, scatter: bool, rules: Rules
                                         tiled=True)
         return jax.tree.map(scatter_one, grads, logical_axes)
     return jax.tree.map(lambda g: jax.lax.psum(g.astype(dtype), mesh_axes), grads)
+
+
+def _scatter(cotangent: jax.Array, axis, dim: int, reduce_dtype) -> jax.Array:
+    """A full gradient reduce-scattered over `axis` on `dim`, moved in `reduce_dtype` (None: its own)."""
+    summed = jax.lax.psum_scatter(cotangent.astype(reduce_dtype or cotangent.dtype), axis,
+                                  scatter_dimension=dim, tiled=True)
+    return summed.astype(cotangent.dtype)
+
+
+def grad_tap(axis, dim: int, reduce_dtype):
+    """identity(full, shard) -> full, whose gradient w.r.t. `shard` is the gradient of `full`
+    reduce-scattered over `axis`: ZeRO-2's reduce-scatter, issued per layer inside the backward."""
+    @jax.custom_vjp
+    def tap(full, shard):
+        return full
+
+    def backward(_, cotangent):
+        return None, _scatter(cotangent, axis, dim, reduce_dtype)
+
+    tap.defvjp(lambda full, shard: (full, None), backward)
+    return tap
+
+
+def gather_weight(axis, dim: int, reduce_dtype):
+    """ZeRO-3's all-gather of a dp-sharded weight; its transpose reduce-scatters the gradient, in
+    `reduce_dtype` when one is given (fp32 sums of bf16 weights' gradients), else the weight's dtype."""
+    def gather(w):
+        return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+
+    if reduce_dtype is None:
+        return gather
+
+    @jax.custom_vjp
+    def gather_reducing_wide(w):
+        return gather(w)
+
+    gather_reducing_wide.defvjp(lambda w: (gather(w), None),
+                                lambda _, cotangent: (_scatter(cotangent, axis, dim, reduce_dtype),))
+    return gather_reducing_wide
+
+
+def never_keep_gathered(base: Callable | None) -> Callable:
+    """`base` (a jax.checkpoint policy; None keeps everything), except that a ZeRO-3 gathered weight
+    is never kept for the backward: keeping them would hold every layer's full weights at once."""
+    def policy(prim, *args, **params):
+        if prim is jax.lax.all_gather_p or (prim.name == "name" and params.get("name") == ZERO3_GATHERED):
+            return False
+        return True if base is None else base(prim, *args, **params)
+
+    return policy
+
+
+def _layer(stacked: Any, i) -> Any:
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), stacked)
+
+
+def _stack(first: Any, rest: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
+
+
+def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any, layer_axes: Any, axis,
+                           zero_logical: str, reduce_dtype) -> jax.Array:
+    """`x` through every layer, `layer_fn(x, full_weights)`, the weights ZeRO-3-sharded over `axis`.
+
+    A software pipeline over the layer scan: the all-gather of layer i+1's weights is issued before
+    layer i computes and depends only on the stacked shards, so the collective overlaps the layer
+    (XLA's async collectives; on GPUs the latency-hiding scheduler places it). The backward walks the
+    layers in reverse the same way: gather layer i-1 while layer i is recomputed from its saved input
+    and differentiated, and reduce-scatter layer i+1's gradient (deferred one layer) meanwhile. Only
+    each layer's input is kept for the backward (full remat), never a gathered weight.
+    """
+    dims = jax.tree.map(lambda axes: axes.index(zero_logical), layer_axes, is_leaf=is_axes_leaf)
+    n_layers = jax.tree.leaves(stacked_shards)[0].shape[0]
+
+    def gather(shards, i):
+        return jax.tree.map(lambda w, d: jax.lax.all_gather(w, axis, axis=d, tiled=True), _layer(shards, i), dims)
+
+    def scatter(full_grads):
+        return jax.tree.map(lambda g, d: _scatter(g, axis, d, reduce_dtype), full_grads, dims)
+
+    @jax.custom_vjp
+    def scan(x, shards):
+        return forward(x, shards)[0]
+
+    def forward(x, shards):
+        def body(carry, i):
+            x, weights = carry
+            upcoming = gather(shards, i + 1)  # issued before this layer's compute, independent of it
+            return (layer_fn(x, weights), upcoming), x
+
+        (x_last, weights), inputs = jax.lax.scan(body, (x, gather(shards, 0)), jnp.arange(n_layers - 1))
+        return layer_fn(x_last, weights), (_stack_last(inputs, x_last), shards)
+
+    def backward(residuals, g):
+        inputs, shards = residuals
+
+        def differentiate(i, weights, g):
+            _, pullback = jax.vjp(layer_fn, jax.lax.dynamic_index_in_dim(inputs, i, keepdims=False), weights)
+            return pullback(g)
+
+        weights = gather(shards, n_layers - 1)
+        if n_layers == 1:
+            g, d_weights = differentiate(0, weights, g)
+            return g, jax.tree.map(lambda s: s[None], scatter(d_weights))
+        upcoming = gather(shards, n_layers - 2)
+        g, pending = differentiate(n_layers - 1, weights, g)
+
+        def body(carry, i):  # i = n_layers - 2 .. 1
+            g, weights, pending = carry
+            upcoming = gather(shards, i - 1)
+            done = scatter(pending)  # layer i + 1's gradient, reduced while layer i is differentiated
+            g, d_weights = differentiate(i, weights, g)
+            return (g, upcoming, d_weights), done
+
+        (g, weights, pending), done = jax.lax.scan(body, (g, upcoming, pending), jnp.arange(1, n_layers - 1),
+                                                   reverse=True)
+        done_1 = scatter(pending)
+        g, d_weights_0 = differentiate(0, weights, g)
+        return g, _stack(scatter(d_weights_0), _stack(done_1, done))
+
+    scan.defvjp(forward, backward)
+    return scan(x, stacked_shards)
+
+
+def _stack_last(inputs: jax.Array, last: jax.Array) -> jax.Array:
+    return jnp.concatenate([inputs, last[None]])

@@ -23,6 +23,7 @@ import math
 from jaxpar.config import Config
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel import schedule as schedules
+from jaxpar.parallel.zero import ZeroPlan
 from jaxpar.sharding import RULES
 
 SAVE_LINEAR = ("selective", "offload", "dots", "none")  # policies that keep the linear-layer outputs
@@ -230,6 +231,9 @@ def _gradients(config: Config, counts: dict, c: int) -> dict:
         backward = c * llm / scatter
     dv = vision_data_ways(config) if config.model.kind == "vla" else 1
     backward += c * counts["vision"] / (dv if config.vision.zero.stage >= 2 else 1)
+    plan = ZeroPlan(z, dp, pp > 1, config.remat.policy, config.zero.prefetch)
+    if plan.prefetches:  # one more layer's gathered weights and one more full layer gradient in flight
+        backward += 2 * c * counts["llm_layers"] / (config.model.n_layers // pp)
     return {"backward": backward, "reduced": c * llm / (dp if z >= 2 else 1)}
 
 
