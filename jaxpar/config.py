@@ -84,10 +84,23 @@ class ModelConfig:
     # attention kernel: auto (cuDNN flash attention where it can run, else XLA), xla, cudnn; resolved for
     # the run's devices at start (jaxpar.attention_choice), the ViT's too unless vision.attention is set
     attention: str = "auto"
+    # Llama 3 RoPE scaling (HF rope_type "llama3"); factor 0 turns it off (Llama 2 and before)
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def rope_scaling(self) -> tuple | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_len), or None without scaling."""
+        if not self.rope_scaling_factor:
+            return None
+        return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +165,15 @@ class CheckpointConfig:
 
     every: int = 0
     keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+    """Where a fresh run's weights come from (a checkpoint in the workdir always wins)."""
+
+    # a Hugging Face Llama directory (config.json + safetensors): the LLM starts from its weights, and
+    # model.* comes from its config.json (jaxpar.hf_llama); "" = random init
+    from_hf: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +246,7 @@ class Config:
     actions: ActionConfig = ActionConfig()
     hardware: HardwareConfig = HardwareConfig()
     profile: ProfileConfig = ProfileConfig()
+    init: InitConfig = InitConfig()
 
 
 # ----------------------------------------------------------------------------- loading
@@ -267,6 +290,10 @@ def load_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
             raise ConfigError(f"override '{item}' has no value; write --config.{item}=VALUE")
         set_by_path(tree, key, value)
     config = from_dict(Config, tree)
+    if config.init.from_hf:
+        from jaxpar.hf_llama import with_model_from_hf
+
+        config = with_model_from_hf(config)
     validate(config)
     return config
 

@@ -137,6 +137,19 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
     return step
 
 
+def _fresh_state(builder: StepBuilder):
+    """Random init, or the LLM's weights from init.from_hf (streamed shard by shard)."""
+    config = builder.config
+    if not config.init.from_hf:
+        return builder.init_state(config.train.seed)
+    from jaxpar import hf_llama
+
+    weights = hf_llama.load_weights(config.init.from_hf, config.model, builder.llm_weight_shardings())
+    if jax.process_index() == 0:
+        print(f"initialised the LLM from {config.init.from_hf}")
+    return builder.init_state_from(weights, config.train.seed)
+
+
 def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):
     """The latest readable checkpoint, restored onto this layout; a fresh start only if there is none.
 
@@ -145,7 +158,7 @@ def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):
     """
     steps = checkpoints.all_steps()
     if not steps:
-        return builder.init_state(builder.config.train.seed), 0, None
+        return _fresh_state(builder), 0, None
     for step in sorted(steps, reverse=True):
         try:
             state, step, data_state = checkpoints.restore(builder.abstract_state(), step)

@@ -13,15 +13,30 @@ single-device references of the tests) and means "xla", the path that runs every
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.collectives import Collectives
 
 
-def rope(x_BxSxNxH: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
+    """The rotary inverse frequencies, [head_dim / 2] float32. `scaling` = (factor, low_freq_factor,
+    high_freq_factor, original_max_len) applies Llama 3's rule: wavelengths longer than
+    original_max_len / low_freq_factor are slowed by `factor`, shorter than original_max_len /
+    high_freq_factor kept, and those between interpolated smoothly."""
+    freqs = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling:
+        factor, low, high, original = scaling
+        wavelength = 2 * np.pi / freqs
+        smooth = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+        freqs = (1 - smooth) * freqs / factor + smooth * freqs
+    return freqs.astype(np.float32)
+
+
+def rope(x_BxSxNxH: jax.Array, theta: float, scaling: tuple | None = None) -> jax.Array:
     """Rotary embedding, rotate-half form (as in HF Llama), positions 0..S-1."""
     seq_len, head_dim = x_BxSxNxH.shape[1], x_BxSxNxH.shape[-1]
-    freqs_H2 = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    freqs_H2 = jnp.asarray(rope_frequencies(head_dim, theta, scaling))
     angles_SxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freqs_H2[None, :]
     cos = jnp.cos(angles_SxH2)[None, :, None, :]
     sin = jnp.sin(angles_SxH2)[None, :, None, :]
@@ -45,7 +60,7 @@ def kernel(implementation: str) -> str:
 
 
 def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives, prefix_len: int = 0,
-              implementation: str = "xla") -> jax.Array:
+              implementation: str = "xla", rope_scaling: tuple | None = None) -> jax.Array:
     """p: wq [D, N, H], wk / wv [D, K, H], wo [N, H, D] (N, K: this tp rank's heads).
 
     Causal; with `prefix_len` > 0 the prefix (e.g. image + instruction) attends bidirectionally.
@@ -55,7 +70,7 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     q_BxSxNxH = checkpoint_name(jnp.einsum("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
     k_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wk"]), "key_proj")
     v_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wv"]), "value_proj")
-    q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta), rope(k_BxSxKxH, rope_theta)
+    q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta, rope_scaling), rope(k_BxSxKxH, rope_theta, rope_scaling)
     if prefix_len > 0:
         mask = prefix_lm_mask(x_BxSxD.shape[1], prefix_len)
         o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, implementation=impl)

@@ -87,7 +87,8 @@ def decoder_layer(x_BxSxD: jax.Array, p: dict, cfg: ModelConfig, coll: Collectiv
     sequence shard: the norms run on it, and each tensor-parallel block gathers the whole sequence on
     entry and reduce-scatters on exit."""
     h_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps))
-    x_BxSxD = x_BxSxD + attention(h_BxSxD, p, cfg.rope_theta, coll, prefix_len, implementation=cfg.attention)
+    x_BxSxD = x_BxSxD + attention(h_BxSxD, p, cfg.rope_theta, coll, prefix_len, implementation=cfg.attention,
+                                  rope_scaling=cfg.rope_scaling)
     h_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps))
     return x_BxSxD + swiglu_mlp(h_BxSxD, p, coll)
 

@@ -139,7 +139,12 @@ class StepBuilder:
         return reorder_layers(tree, None, self.layer_order())
 
     def _init(self, key) -> TrainState:
-        master = self.from_model_order(llama.init(self.config.model, key))
+        return self._init_from(llama.init(self.config.model, key), key)
+
+    def _init_from(self, llm_weights, key) -> TrainState:
+        """A fresh state (step 0, new optimizer moments) from the LLM's fp32 weights in model order;
+        the vision encoder (if any) is initialised from `key`."""
+        master = self.from_model_order(llm_weights)
         if self.vision is not None:
             master.update(vit.init(self.config.vision, self.config.model.d_model, key))
         return TrainState(
@@ -160,6 +165,16 @@ class StepBuilder:
         """Initialise directly into the sharded layout: nothing is materialised unsharded."""
         init = jax.jit(self._init, out_shardings=self.state_shardings())
         return init(jax.random.key(seed))
+
+    def llm_weight_shardings(self) -> dict:
+        """Where the LLM's fp32 weights go when a run starts from given weights (the master layout)."""
+        llm = {k: v for k, v in self.specs.opt.items() if k not in VISION_KEYS}
+        return self._named(llm)
+
+    def init_state_from(self, llm_weights, seed: int) -> TrainState:
+        """A fresh sharded state whose LLM weights are `llm_weights` (e.g. a Hugging Face checkpoint)."""
+        init = jax.jit(self._init_from, out_shardings=self.state_shardings(), donate_argnums=0)
+        return init(llm_weights, jax.random.key(seed))
 
     # ------------------------------------------------------------------ batches
     def batch_sharding(self) -> NamedSharding:

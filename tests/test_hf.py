@@ -1,0 +1,199 @@
+"""Hugging Face Llama weights in and out, checked against `transformers` itself.
+
+Tiny random LlamaForCausalLM models are made and saved with transformers (CPU torch) inside the
+tests: GQA and MHA, tied and untied embeddings, Llama 3 rope scaling, one file and sharded files,
+and both config.json layouts (transformers 5's `rope_parameters`, and `rope_theta` + `rope_scaling`).
+"""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from conftest import builder_for  # noqa: E402
+from jaxpar import hf_llama  # noqa: E402
+from jaxpar.config import Config, ConfigError, InitConfig, MeshConfig, ModelConfig, TrainConfig, ZeroConfig  # noqa: E402
+from jaxpar.config import validate  # noqa: E402
+from jaxpar.layers.collectives import Collectives  # noqa: E402
+from jaxpar.loop import _fresh_state  # noqa: E402
+from jaxpar.models import llama  # noqa: E402
+
+SEQ = 32
+VARIANTS = {
+    "gqa": dict(num_key_value_heads=2),
+    "mha_tied": dict(num_key_value_heads=8, tie_word_embeddings=True),
+    # head_dim 8, theta 500: wavelengths 6, 30, 140, 664 against 64 / 4 and 64 / 1: one band kept, one
+    # interpolated, two slowed down by the factor
+    "llama3_rope": dict(num_key_value_heads=2, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                                 high_freq_factor=4.0, original_max_position_embeddings=64)),
+}
+
+
+def make_hf_model(directory, variant: str, shard: bool = False, legacy_layout: bool = False):
+    torch.manual_seed(0)
+    extra = dict(VARIANTS[variant])
+    scaling = extra.pop("rope_scaling", None)
+    hf_config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=8, rms_norm_eps=1e-5, max_position_embeddings=64,
+                                         rope_theta=500.0, **extra)
+    if scaling:
+        hf_config.rope_parameters = {**scaling, "rope_theta": 500.0}
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    with torch.no_grad():  # norms away from 1, so a misplaced norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(directory, max_shard_size="40KB" if shard else "5GB")
+    if legacy_layout:  # the layout of checkpoints written before transformers 5
+        path = directory / "config.json"
+        cfg = json.loads(path.read_text())
+        params = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = params.pop("rope_theta")
+        if params.get("rope_type", "default") != "default":
+            cfg["rope_scaling"] = params
+        path.write_text(json.dumps(cfg))
+    return model
+
+
+def hf_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def config_for(directory, **layout) -> Config:
+    config = Config(mesh=MeshConfig(**layout.pop("mesh", {})), zero=ZeroConfig(**layout.pop("zero", {})),
+                    train=TrainConfig(global_batch_size=8, seq_len=SEQ), init=InitConfig(from_hf=str(directory)))
+    config = hf_llama.with_model_from_hf(config)
+    validate(config)
+    return config
+
+
+def jaxpar_logits(config: Config, params: dict, ids: np.ndarray) -> np.ndarray:
+    coll = Collectives()
+    x = llama.embed_tokens(params, ids, coll)
+    x = llama.run_layers(x, params["layers"], config.model, coll)
+    return np.asarray(llama.head_logits(params, x, config.model, coll))
+
+
+def one_device_params(config: Config) -> dict:
+    builder = builder_for(config)
+    return builder.to_model_order(jax.device_get(_fresh_state(builder).params))
+
+
+def ids(batch=2, seq=SEQ, seed=0):
+    return np.random.default_rng(seed).integers(0, 128, size=(batch, seq)).astype(np.int32)
+
+
+def assert_logits_close(actual, expected):
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4 * np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_equal_transformers_on_one_device(tmp_path, variant):
+    model = make_hf_model(tmp_path, variant)
+    config = config_for(tmp_path)
+    assert config.model.n_kv_heads == model.config.num_key_value_heads
+    tokens = ids()
+    assert_logits_close(jaxpar_logits(config, one_device_params(config), tokens), hf_logits(model, tokens))
+
+
+@pytest.mark.parametrize("legacy_layout", [False, True])
+def test_both_config_layouts_and_sharded_files_import_alike(tmp_path, legacy_layout):
+    model = make_hf_model(tmp_path, "llama3_rope", shard=True, legacy_layout=legacy_layout)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    config = config_for(tmp_path)
+    assert config.model.rope_scaling == (8.0, 1.0, 4.0, 64)
+    tokens = ids()
+    assert_logits_close(jaxpar_logits(config, one_device_params(config), tokens), hf_logits(model, tokens))
+
+
+def test_loss_on_dp2_pp2_tp2_zero1_equals_transformers(tmp_path):
+    model = make_hf_model(tmp_path, "gqa")
+    config = config_for(tmp_path, mesh=dict(dp=2, pp=2, tp=2), zero=dict(stage=1))
+    builder = builder_for(config)
+    state = _fresh_state(builder)
+    tokens = ids(batch=8, seq=SEQ + 1, seed=1)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((8, SEQ), np.float32)}
+    _, metrics = builder.jit_train_step()(state, jax.device_put(batch, builder.batch_sharding()))
+    logits = torch.tensor(hf_logits(model, tokens[:, :-1]))
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), torch.tensor(tokens[:, 1:]).long().reshape(-1))
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected), rtol=1e-4)
+
+
+def test_streaming_reads_only_each_devices_slice(tmp_path, monkeypatch):
+    """On (2, 1, 4) ZeRO-1 every read is one device's shard: a quarter of a head-split weight's rows
+    and half of its d_model columns, never a whole tensor."""
+    make_hf_model(tmp_path, "mha_tied")
+    config = config_for(tmp_path, mesh=dict(dp=2, tp=4), zero=dict(stage=1))
+    reads = []
+    original = hf_llama.SafetensorsReader.read
+
+    def spy(self, name, index, shape):
+        out = original(self, name, index, shape)
+        reads.append((name, out.size, int(np.prod(shape))))
+        return out
+
+    monkeypatch.setattr(hf_llama.SafetensorsReader, "read", spy)
+    _fresh_state(builder_for(config))
+    q_reads = [(size, whole) for name, size, whole in reads if name.endswith("q_proj.weight")]
+    assert q_reads and all(size * 8 == whole for size, whole in q_reads)
+    assert all(size < whole for name, size, whole in reads if not name.endswith("norm.weight"))
+
+
+def test_export_of_a_trained_run_loads_in_transformers(tmp_path):
+    from jaxpar import export
+    from jaxpar.loop import train
+
+    make_hf_model(tmp_path / "hf", "gqa")
+    config = config_for(tmp_path / "hf", mesh=dict(dp=2, pp=2, tp=2), zero=dict(stage=1))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2, lr=1e-2))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    train(config, builder_for(config).mesh, run_dir, show_progress=False)
+    assert export.main(["--workdir", str(run_dir), "--out", str(tmp_path / "out")]) == 0
+
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    single = export.single_device(config)
+    state = builder_for(single)
+    from jaxpar.checkpoint import Checkpointer
+    restored, step, _ = Checkpointer(run_dir, single).restore(state.abstract_state())
+    assert step == 2
+    params = state.to_model_order(jax.device_get(restored.params))
+    tokens = ids()
+    assert_logits_close(hf_logits(exported, tokens), jaxpar_logits(single, params, tokens))
+    original = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert not np.allclose(hf_logits(original, tokens), hf_logits(exported, tokens), atol=1e-3), "trained weights"
+
+
+def test_config_mistakes_are_one_line_errors(tmp_path):
+    make_hf_model(tmp_path, "gqa")
+    base = Config(init=InitConfig(from_hf=str(tmp_path)), model=ModelConfig(d_model=128))
+    with pytest.raises(ConfigError, match=r"model.d_model=128 disagrees with .*config.json \(64\)"):
+        hf_llama.with_model_from_hf(base)
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads((tmp_path / "config.json").read_text()),
+                                                      "model_type": "mistral"}))
+    with pytest.raises(ConfigError, match="model_type 'mistral' is not supported"):
+        hf_llama.model_fields(tmp_path)
+    with pytest.raises(ConfigError, match="no config.json"):
+        hf_llama.model_fields(tmp_path / "nowhere")
+
+
+def test_missing_or_misshapen_tensor_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    make_hf_model(tmp_path, "gqa")
+    config = config_for(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError, match=f"tensor '{name}' is missing"):
+        one_device_params(config)
+    save_file({**tensors, name: tensors[name][:, :32]}, tmp_path / "model.safetensors")
+    with pytest.raises(ConfigError, match=rf"tensor '{name}' has shape \(128, 32\), expected \(128, 64\)"):
+        one_device_params(config)
