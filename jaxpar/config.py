@@ -462,7 +462,10 @@ def _validate_layout(config: Config) -> None:
              f"model.n_heads={model.n_heads} is not a multiple of model.n_kv_heads={model.n_kv_heads}; "
              f"use a model.n_kv_heads that divides model.n_heads")
     tp = mesh.tp
-    for key in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+    _require(model.n_kv_heads % tp == 0 or tp % model.n_kv_heads == 0,
+             f"mesh.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other (KV heads are "
+             f"split over tp, or replicated when tp is a multiple of them)")
+    for key in ("n_heads", "d_ff", "vocab_size"):
         value = getattr(model, key)
         _require(value % tp == 0, f"mesh.tp={tp} does not divide model.{key}={value}; "
                                   f"choose a tp that divides {value} (tensor parallel splits it over tp)")

@@ -48,11 +48,20 @@ def tensor_axes(mesh) -> str | tuple[str, ...]:
     return ("tp", TP_INNER) if TP_INNER in mesh.shape else "tp"
 
 
-def llm_rules(mesh) -> Rules:
+def kv_heads_replicated(n_kv_heads: int, tp: int) -> bool:
+    """More tp ranks than KV heads (Llama-3-70B: 8 KV heads, tp = 16): the KV projections are
+    replicated over tp and each rank uses the one KV head its query heads share (Megatron, MaxText)."""
+    return tp > n_kv_heads
+
+
+def llm_rules(mesh, replicate_kv_heads: bool = False) -> Rules:
     """The LLM's table on this mesh. With a pipeline the vocabulary goes over pp x tp (pp outer): the
-    embedding and LM head are spread over the stages instead of replicated on each (jaxpar.parallel.pipeline)."""
+    embedding and LM head are spread over the stages instead of replicated on each (jaxpar.parallel.pipeline).
+    `replicate_kv_heads`: the KV heads are not split over tp (kv_heads_replicated)."""
     tp = tensor_axes(mesh)
     table = {name: (tp if axis == "tp" else axis) for name, axis in RULES.items()}
+    if replicate_kv_heads:
+        table["kv_heads"] = None
     if mesh.shape.get("pp", 1) > 1:
         table["vocab"] = ("pp",) + (tp if isinstance(tp, tuple) else (tp,))
     return Rules(table)

@@ -195,7 +195,8 @@ def test_valid_layouts_pass(mesh, stage):
 LAYOUT_MISTAKES = {
     # id: (changes, substrings the one-line message must contain: the key(s) and the fix)
     "tp_n_heads": (dict(mesh__tp=3), ["mesh.tp=3", "model.n_heads=4", "choose a tp"]),
-    "tp_n_kv_heads": (dict(model__n_kv_heads=2), ["mesh.tp=4", "model.n_kv_heads=2", "choose a tp"]),
+    "tp_n_kv_heads": (dict(model__d_model=96, model__n_heads=12, model__n_kv_heads=6),
+                      ["mesh.tp=4", "model.n_kv_heads=6", "one must divide the other"]),
     "tp_d_ff": (dict(model__d_ff=250), ["mesh.tp=4", "model.d_ff=250", "choose a tp"]),
     "tp_vocab": (dict(model__vocab_size=250), ["mesh.tp=4", "model.vocab_size=250", "choose a tp"]),
     "batch_dp": (dict(train__global_batch_size=15), ["train.global_batch_size=15", "mesh.dp", "multiple of 2"]),

@@ -1,7 +1,7 @@
 """Grouped-query causal self-attention with RoPE, Megatron layout.
 
 Q/K/V projections are column-parallel (each tp rank owns n_heads/tp query heads and n_kv_heads/tp
-KV heads, no collective); the output projection is row-parallel (one all-reduce over tp).
+KV heads, or, with more ranks than KV heads, the one KV head its query heads share; no collective); the output projection is row-parallel (one all-reduce over tp).
 
 The core attention runs on the kernel the caller names (`implementation`, plain data resolved at
 start by jaxpar.attention_choice): "xla" (jax's reference path: materialises the [B, N, S, S]
@@ -68,8 +68,9 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     """
     impl = kernel(implementation)
     q_BxSxNxH = checkpoint_name(jnp.einsum("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
-    k_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wk"]), "key_proj")
-    v_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, p["wv"]), "value_proj")
+    wk_DxKxH, wv_DxKxH = coll.local_kv_heads(p["wk"]), coll.local_kv_heads(p["wv"])
+    k_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, wk_DxKxH), "key_proj")
+    v_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, wv_DxKxH), "value_proj")
     q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta, rope_scaling), rope(k_BxSxKxH, rope_theta, rope_scaling)
     if prefix_len > 0:
         mask = prefix_lm_mask(x_BxSxD.shape[1], prefix_len)

@@ -56,6 +56,7 @@ class Collectives:
     zero_logical_axis: str = "embed"  # which logical dim ZeRO shards
     grad_reduce_dtype: Any = None  # dtype ZeRO-2 / ZeRO-3 reduce gradients in (None: the weights' own)
     zero3_prefetch: bool = False  # ZeRO-3: gather layer i+1's weights while layer i computes (scan_layers)
+    kv_heads_replicated: bool = False  # more tp ranks than KV heads: K/V weights arrive whole (local_kv_heads)
     # Megatron sequence parallelism: outside the tensor-parallel regions the activations [B, S, D]
     # are split over these axes along S (the residual stream, norms and the layer boundaries).
     sequence_axis: str | tuple[str, ...] | None = None
@@ -109,6 +110,16 @@ class Collectives:
             ways *= jax.lax.axis_size(axis)
         size = x_BxSxD.shape[1] // ways
         return jax.lax.dynamic_slice_in_dim(x_BxSxD, jax.lax.axis_index(axes) * size, size, axis=1)
+
+    def local_kv_heads(self, w_DxKxH: jax.Array) -> jax.Array:
+        """This rank's KV heads of a K or V projection. Split over tp: the weight is already this
+        rank's. Replicated (tp > n_kv_heads): the one head this rank's query heads attend with,
+        head rank // (tp / K); the weight's gradient then sums over the ranks sharing it (the
+        transpose of its implicit broadcast to tp-varying)."""
+        if not (self.kv_heads_replicated and self.tp_axis):
+            return w_DxKxH
+        ranks_per_head = jax.lax.axis_size(self.tp_axis) // w_DxKxH.shape[1]
+        return jax.lax.dynamic_slice_in_dim(w_DxKxH, self.tp_rank() // ranks_per_head, 1, axis=1)
 
     def tp_max(self, x: jax.Array) -> jax.Array:
         return jax.lax.pmax(x, self.tp_axis) if self.tp_axis else x

@@ -37,7 +37,7 @@ from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
 from jaxpar.parallel.zero import StateSpecs, ZeroPlan, reduce_gradients
-from jaxpar.sharding import DP, llm_rules, tensor_axes, zero_dim
+from jaxpar.sharding import DP, kv_heads_replicated, llm_rules, tensor_axes, zero_dim
 
 
 HOST = "pinned_host"  # memory kind of offloaded optimizer state
@@ -75,7 +75,8 @@ class StepBuilder:
         self.mesh = mesh
         self.stage = config.zero.stage
         self.axes = llama.param_axes()  # the LLM's; the vision component keeps its own
-        self.specs_rules = llm_rules(mesh)
+        self.replicates_kv = kv_heads_replicated(config.model.n_kv_heads, config.mesh.tp)
+        self.specs_rules = llm_rules(mesh, self.replicates_kv)
         self.specs = StateSpecs(self.axes, self.stage, mesh, self.specs_rules)
         self.vision = VisionComponent(config, mesh) if config.model.kind == "vla" else None
         if self.vision is not None:
@@ -198,7 +199,8 @@ class StepBuilder:
         return Collectives(tp_axis=tp, sequence_axis=tp if self.config.mesh.sequence_parallel else None,
                            zero3_axis=DP if self.gathers_weights else None,
                            zero2_axis=DP if self.taps_grads else None, zero3_prefetch=self.zero.prefetches,
-                           grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None)
+                           grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
+                           kv_heads_replicated=self.replicates_kv and tp is not None)
 
     def remat_policy(self):
         """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""

@@ -24,7 +24,7 @@ from jaxpar.config import Config
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel import schedule as schedules
 from jaxpar.parallel.zero import ZeroPlan
-from jaxpar.sharding import RULES
+from jaxpar.sharding import RULES, kv_heads_replicated
 
 SAVE_LINEAR = ("selective", "offload", "dots", "none")  # policies that keep the linear-layer outputs
 
@@ -53,6 +53,8 @@ def local_params(config: Config) -> dict[str, int]:
     mesh = config.mesh
     sizes = {"tp": mesh.tp, "pp": mesh.pp}
     llm_div = {axis: sizes[rule] for axis, rule in RULES.items() if rule in sizes}
+    if kv_heads_replicated(config.model.n_kv_heads, mesh.tp):  # every rank holds all KV heads
+        llm_div["kv_heads"] = 1
     shapes, axes = llama.param_shapes(config.model), llama.param_axes()
     out = {"llm_layers": _local_count({"layers": shapes["layers"]}, axes, llm_div),
            "llm_rest": _local_count({k: v for k, v in shapes.items() if k != "layers"}, axes, llm_div),
@@ -94,7 +96,7 @@ class Block:
 
 def llm_block(config: Config) -> Block:
     m, tp = config.model, config.mesh.tp
-    return Block(m.d_model, m.n_heads // tp * m.head_dim, m.n_kv_heads // tp * m.head_dim, m.d_ff // tp,
+    return Block(m.d_model, m.n_heads // tp * m.head_dim, max(m.n_kv_heads // tp, 1) * m.head_dim, m.d_ff // tp,
                  m.n_heads // tp, True, tp if config.mesh.sequence_parallel else 1)
 
 
