@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import shutil
 import sys
 
 from jaxpar.cli import OneLineArgumentParser, main_with_one_line_errors
@@ -29,6 +30,46 @@ def single_device(config):
                                offload=dataclasses.replace(config.offload, optimizer=False))
 
 
+def restore_weights(workdir: pathlib.Path, step: int | None = None):
+    """(the run's Config, its step, the LLM's weights as host numpy in model layer order) from
+    `workdir`'s checkpoint of `step` (default: the latest), whatever layout wrote it."""
+    if not (workdir / "config.json").is_file():
+        raise ConfigError(f"{workdir}/config.json not found; --workdir must be a jaxpar run's directory")
+    from jaxpar.config import Config, from_dict
+
+    config = from_dict(Config, json.loads((workdir / "config.json").read_text()))
+    if config.model.kind != "llama":
+        raise ConfigError(f"{workdir} trained a {config.model.kind}; only Llama runs can be read so far")
+    single = single_device(config)
+
+    import jax
+
+    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.mesh import Layout
+    from jaxpar.parallel.step import StepBuilder
+
+    builder = StepBuilder(single, Layout.for_config(single).make_mesh())
+    checkpoints = Checkpointer(workdir, single)
+    steps = checkpoints.all_steps()
+    if not steps:
+        raise ConfigError(f"{checkpoints.directory} has no checkpoint")
+    if step is not None and step not in steps:
+        raise ConfigError(f"--step {step} is not among the checkpoints {sorted(steps)}")
+    state, step, _ = checkpoints.restore(builder.abstract_state(), step)
+    checkpoints.close()
+    weights = jax.device_get(state.master if state.master is not None else state.params)
+    return config, step, builder.to_model_order(weights)
+
+
+def run_tokenizer_file(config) -> pathlib.Path | None:
+    """The tokenizer file the run's training data was made with (None: bytes, or synthetic data)."""
+    meta = pathlib.Path(config.data.train) / "meta.json" if config.data.train else None
+    if meta is None or not meta.is_file():
+        return None
+    spec = json.loads(meta.read_text()).get("tokenizer", "byte")
+    return None if spec == "byte" else pathlib.Path(spec)
+
+
 def run(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="python -m jaxpar.export", usage_hint="--workdir W --out DIR [--step N]")
     parser.add_argument("--workdir", required=True)
@@ -36,33 +77,13 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, default=None)
     args = parser.parse_args(argv)
     workdir = pathlib.Path(args.workdir)
-    if not (workdir / "config.json").is_file():
-        raise ConfigError(f"{workdir}/config.json not found; --workdir must be a jaxpar run's directory")
-    from jaxpar.config import Config, from_dict
-
-    config = from_dict(Config, json.loads((workdir / "config.json").read_text()))
-    if config.model.kind != "llama":
-        raise ConfigError(f"{workdir} trained a {config.model.kind}; export writes Llama models only so far")
-    config = single_device(config)
-
-    import jax
-
+    config, step, weights = restore_weights(workdir, args.step)
     from jaxpar import hf_llama
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.mesh import Layout
-    from jaxpar.parallel.step import StepBuilder
 
-    builder = StepBuilder(config, Layout.for_config(config).make_mesh())
-    checkpoints = Checkpointer(workdir, config)
-    steps = checkpoints.all_steps()
-    if not steps:
-        raise ConfigError(f"{checkpoints.directory} has no checkpoint to export")
-    if args.step is not None and args.step not in steps:
-        raise ConfigError(f"--step {args.step} is not among the checkpoints {sorted(steps)}")
-    state, step, _ = checkpoints.restore(builder.abstract_state(), args.step)
-    checkpoints.close()
-    weights = jax.device_get(state.master if state.master is not None else state.params)
-    out = hf_llama.write(builder.to_model_order(weights), config.model, args.out)
+    out = hf_llama.write(weights, config.model, args.out)
+    tokenizer = run_tokenizer_file(config)
+    if tokenizer is not None and tokenizer.is_file():
+        shutil.copy(tokenizer, out / ("tokenizer.json" if tokenizer.suffix == ".json" else "tokenizer.model"))
     print(f"wrote step {step} of {workdir} to {out}")
     return 0
 

@@ -145,7 +145,7 @@ def test_streaming_reads_only_each_devices_slice(tmp_path, monkeypatch):
     assert all(size < whole for name, size, whole in reads if not name.endswith("norm.weight"))
 
 
-def test_export_of_a_trained_run_loads_in_transformers(tmp_path):
+def test_export_of_a_trained_run_loads_in_transformers(tmp_path, capsys):
     from jaxpar import export
     from jaxpar.loop import train
 
@@ -169,6 +169,17 @@ def test_export_of_a_trained_run_loads_in_transformers(tmp_path):
     assert_logits_close(hf_logits(exported, tokens), jaxpar_logits(single, params, tokens))
     original = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert not np.allclose(hf_logits(original, tokens), hf_logits(exported, tokens), atol=1e-3), "trained weights"
+
+    # generation straight from the run (tp = 2) equals transformers' greedy decoding of the export
+    from jaxpar import generate
+
+    with torch.no_grad():
+        expected = exported.generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=6, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
+    capsys.readouterr()
+    assert generate.main(["--workdir", str(run_dir), "--prompt_ids", "3,1,4,1,5", "--max_new_tokens", "6",
+                          "--tp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["new_ids"] == expected
 
 
 def test_config_mistakes_are_one_line_errors(tmp_path):

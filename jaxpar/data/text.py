@@ -33,6 +33,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
 
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
 
 class SentencePieceTokenizer:
     def __init__(self, path: pathlib.Path):
@@ -46,6 +49,9 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.model.encode(text), np.int64)
+
+    def decode(self, ids) -> str:
+        return self.model.decode([int(i) for i in ids])
 
 
 class HFTokenizer:
@@ -62,6 +68,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.model.encode(text, add_special_tokens=False).ids, np.int64)
+
+    def decode(self, ids) -> str:
+        return self.model.decode([int(i) for i in ids])
 
 
 def load_tokenizer(spec: str):

@@ -33,11 +33,14 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) 
     return freqs.astype(np.float32)
 
 
-def rope(x_BxSxNxH: jax.Array, theta: float, scaling: tuple | None = None) -> jax.Array:
-    """Rotary embedding, rotate-half form (as in HF Llama), positions 0..S-1."""
+def rope(x_BxSxNxH: jax.Array, theta: float, scaling: tuple | None = None,
+         positions_S: jax.Array | None = None) -> jax.Array:
+    """Rotary embedding, rotate-half form (as in HF Llama), at `positions_S` (default 0..S-1)."""
     seq_len, head_dim = x_BxSxNxH.shape[1], x_BxSxNxH.shape[-1]
     freqs_H2 = jnp.asarray(rope_frequencies(head_dim, theta, scaling))
-    angles_SxH2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freqs_H2[None, :]
+    if positions_S is None:
+        positions_S = jnp.arange(seq_len)
+    angles_SxH2 = positions_S.astype(jnp.float32)[:, None] * freqs_H2[None, :]
     cos = jnp.cos(angles_SxH2)[None, :, None, :]
     sin = jnp.sin(angles_SxH2)[None, :, None, :]
     x32 = x_BxSxNxH.astype(jnp.float32)

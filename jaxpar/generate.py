@@ -1,0 +1,216 @@
+"""Generate text with a trained run or a Hugging Face Llama, tensor parallel over N devices.
+
+    python -m jaxpar.generate (--workdir W [--step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3)
+        [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S] [--tp N] [--json]
+
+The prompt is run through the model once (prefill, filling the KV cache), then one token per step
+(jaxpar.models.decode). Temperature 0 is greedy; otherwise the logits are divided by the
+temperature and sampled from the smallest set of tokens whose probability reaches top_p (nucleus).
+Generation stops at the end-of-sequence token when the model has one. With --tp N the weights,
+KV cache and heads are split over N devices exactly as in training (emulated on CPU). --prompt
+needs a tokenizer: the run's (from its training data) or DIR/tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from jaxpar.cli import OneLineArgumentParser, main_with_one_line_errors
+from jaxpar.errors import ConfigError
+
+USAGE = ("(--workdir W [--step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3) [--max_new_tokens N] "
+         "[--temperature T] [--top_p P] [--seed S] [--tp N] [--json]")
+
+
+def parse_args(argv: list[str]):
+    parser = OneLineArgumentParser(prog="python -m jaxpar.generate", usage_hint=USAGE)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workdir")
+    source.add_argument("--from_hf")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt_ids")
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--max_new_tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.tp < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError("--max_new_tokens and --tp must be >= 1, --temperature >= 0 and 0 < --top_p <= 1")
+    return args
+
+
+def _tokenizer(args, config):
+    """An object with encode / decode, or None when there is none to use."""
+    from jaxpar.data.text import ByteTokenizer, HFTokenizer, load_tokenizer
+
+    if args.from_hf:
+        path = pathlib.Path(args.from_hf) / "tokenizer.json"
+        if not path.is_file():
+            return None
+        import tokenizers
+
+        tok = object.__new__(HFTokenizer)
+        tok.name, tok.model = str(path), tokenizers.Tokenizer.from_file(str(path))
+        return tok
+    from jaxpar.export import run_tokenizer_file
+
+    path = run_tokenizer_file(config)
+    if path is not None:
+        return load_tokenizer(str(path))
+    return ByteTokenizer() if config.data.train else None
+
+
+def _eos(args, config, tokenizer) -> int | None:
+    if args.from_hf:
+        hf = json.loads((pathlib.Path(args.from_hf) / "config.json").read_text())
+        eos = hf.get("eos_token_id")
+        return eos[0] if isinstance(eos, list) else eos
+    return getattr(tokenizer, "eos_id", None)
+
+
+def _prompt_ids(args, tokenizer, vocab_size: int) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--prompt_ids '{args.prompt_ids}' is not a comma-separated list of integers") from None
+    elif tokenizer is None:
+        raise ConfigError("--prompt needs a tokenizer and this model has none (no tokenizer.json, or a run on "
+                          "synthetic data); pass --prompt_ids instead")
+    else:
+        ids = [int(i) for i in tokenizer.encode(args.prompt)]
+    if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+        raise ConfigError(f"the prompt must be at least one id in [0, {vocab_size}); got {ids[:8]}")
+    return ids
+
+
+def load(args):
+    """(model config, weights laid out for a tp mesh, the mesh, tokenizer, eos id)."""
+    import jax
+
+    from jaxpar import hf_llama
+    from jaxpar.config import Config, MeshConfig, ModelConfig
+    from jaxpar.mesh import Layout
+
+    if args.from_hf:
+        model = ModelConfig(**hf_llama.model_fields(args.from_hf))
+        config, weights = Config(model=model, mesh=MeshConfig(tp=args.tp)), None
+    else:
+        from jaxpar.export import restore_weights
+
+        config, _, weights = restore_weights(pathlib.Path(args.workdir), args.step)
+        model = config.model
+    for key in ("n_heads", "vocab_size", "d_ff"):
+        if getattr(model, key) % args.tp:
+            raise ConfigError(f"--tp {args.tp} does not divide model.{key}={getattr(model, key)}")
+    if args.tp % model.n_kv_heads and model.n_kv_heads % args.tp:
+        raise ConfigError(f"--tp {args.tp} and n_kv_heads={model.n_kv_heads}: one must divide the other")
+    layout = Layout(dp=1, pp=1, tp=args.tp)
+    mesh = layout.make_mesh()
+    shardings = weight_shardings(mesh, model)
+    if weights is None:
+        weights = hf_llama.load_weights(args.from_hf, model, shardings)
+    else:
+        weights = jax.device_put(weights, shardings)
+    tokenizer = _tokenizer(args, config)
+    return model, weights, mesh, tokenizer, _eos(args, config, tokenizer)
+
+
+def weight_shardings(mesh, model):
+    """Where each weight goes on a (1, 1, tp) mesh: the training layout's tp split, no ZeRO."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from jaxpar.models import llama
+    from jaxpar.sharding import is_axes_leaf, kv_heads_replicated, llm_rules, logical_to_spec, unused_mesh_axes
+
+    rules = llm_rules(mesh, kv_heads_replicated(model.n_kv_heads, mesh.shape["tp"]))
+    return jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_spec(axes, False, unused_mesh_axes(mesh), rules)),
+                        llama.param_axes(), is_leaf=is_axes_leaf)
+
+
+def generate(model, weights, mesh, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> list[int]:
+    """The new token ids (one sequence), stopping after `max_new_tokens` or at `eos_id`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.layers.collectives import Collectives
+    from jaxpar.models import decode
+    from jaxpar.sharding import kv_heads_replicated
+
+    tp = mesh.shape["tp"]
+    replicated = kv_heads_replicated(model.n_kv_heads, tp)
+    coll = Collectives(tp_axis="tp", kv_heads_replicated=replicated)  # (a size-1 axis too: the cache is typed by it)
+    local_kv = 1 if replicated else model.n_kv_heads // tp
+    max_len = len(prompt_ids) + max_new_tokens
+    weight_specs = jax.tree.map(lambda s: s.spec, weight_shardings(mesh, model))
+    cache_spec = {"k": P(None, None, None, "tp"), "v": P(None, None, None, "tp")}
+
+    def local_step(params, ids, cache, start):  # the last position's logits: this rank's vocab slice
+        logits, cache = decode.forward(params, ids, cache, start, model, coll)
+        return logits[:, -1], cache
+
+    step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(weight_specs, P(), cache_spec, P()),
+                                 out_specs=(P(None, "tp"), cache_spec)), donate_argnums=2)
+    cache = jax.jit(lambda: decode.init_cache(model, 1, max_len, local_kv * tp),
+                    out_shardings=jax.tree.map(lambda s: jax.NamedSharding(mesh, s), cache_spec))()
+    key = jax.random.key(seed)
+    ids, start, new = jnp.asarray([prompt_ids], jnp.int32), 0, []
+    for i in range(max_new_tokens):
+        logits, cache = step(weights, ids, cache, jnp.int32(start))
+        token = int(_sample(logits[0], temperature, top_p, jax.random.fold_in(key, i)))
+        new.append(token)
+        if token == eos_id:
+            break
+        start += ids.shape[1]
+        ids = jnp.asarray([[token]], jnp.int32)
+    return new
+
+
+def _sample(logits_V, temperature: float, top_p: float, key):
+    import jax
+    import jax.numpy as jnp
+
+    if temperature == 0:
+        return jnp.argmax(logits_V)
+    probs = jax.nn.softmax(logits_V / temperature)
+    order = jnp.argsort(-probs)
+    sorted_probs = probs[order]
+    keep = jnp.cumsum(sorted_probs) - sorted_probs < top_p  # the smallest prefix reaching top_p
+    choice = jax.random.categorical(key, jnp.where(keep, jnp.log(sorted_probs), -jnp.inf))
+    return order[choice]
+
+
+def run(argv: list[str]) -> int:
+    args = parse_args(argv)
+    from jaxpar.mesh import emulate_cpu_devices
+
+    try:
+        emulate_cpu_devices(args.tp)  # before JAX starts a backend (no-op for GPUs)
+    except RuntimeError:  # called in a process whose backend is up: its devices are what there is
+        pass
+    model, weights, mesh, tokenizer, eos = load(args)
+    prompt = _prompt_ids(args, tokenizer, model.vocab_size)
+    new = generate(model, weights, mesh, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, eos)
+    text = tokenizer.decode(new) if tokenizer is not None else None
+    if args.json:
+        print(json.dumps({"prompt_ids": prompt, "new_ids": new, "text": text}))
+    else:
+        print(text if text is not None else " ".join(map(str, new)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_with_one_line_errors(run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
