@@ -142,6 +142,7 @@ class VisionConfig:
     projector_dim: int = 128
     pos_init: str = "sincos2d"  # the trained position embedding starts as 2-D sin-cos, or "normal" (random)
     film: bool = False  # condition every block on the instruction (FiLM, as RT-1); see jaxpar.models.vit
+    bias: bool = False  # biases in the patch embedding, attention and MLP projections (SigLIP)
     tp: int = 1  # a divisor of mesh.tp: the encoder's tensor-parallel group (1: pure data parallel)
     zero: VisionZeroConfig = VisionZeroConfig()  # 0-2, over all devices not used by the vision tp
     remat: RematConfig = RematConfig()
@@ -174,6 +175,14 @@ class InitConfig:
     # a Hugging Face Llama directory (config.json + safetensors): the LLM starts from its weights, and
     # model.* comes from its config.json (jaxpar.hf_llama); "" = random init
     from_hf: str = ""
+    llm_from_hf: str = ""  # the same, spelled for a VLA's LLM (set one of the two)
+    # a VLA's encoder from a Hugging Face SigLIP vision tower; vision.* comes from its config.json and
+    # the projector starts fresh (jaxpar.hf_siglip)
+    vision_from_hf: str = ""
+
+    @property
+    def llm_dir(self) -> str:
+        return self.from_hf or self.llm_from_hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,10 +299,17 @@ def load_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
             raise ConfigError(f"override '{item}' has no value; write --config.{item}=VALUE")
         set_by_path(tree, key, value)
     config = from_dict(Config, tree)
-    if config.init.from_hf:
+    _require(not (config.init.from_hf and config.init.llm_from_hf),
+             "init.from_hf and init.llm_from_hf are the same setting; set one of them")
+    if config.init.llm_dir:
         from jaxpar.hf_llama import with_model_from_hf
 
         config = with_model_from_hf(config)
+    if config.init.vision_from_hf:
+        _require(config.model.kind == "vla", "init.vision_from_hf needs model.kind=vla (the encoder is the VLA's)")
+        from jaxpar.hf_siglip import with_vision_from_hf
+
+        config = with_vision_from_hf(config)
     validate(config)
     return config
 
@@ -462,13 +478,13 @@ def _validate_layout(config: Config) -> None:
              f"model.n_heads={model.n_heads} is not a multiple of model.n_kv_heads={model.n_kv_heads}; "
              f"use a model.n_kv_heads that divides model.n_heads")
     tp = mesh.tp
-    _require(model.n_kv_heads % tp == 0 or tp % model.n_kv_heads == 0,
-             f"mesh.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other (KV heads are "
-             f"split over tp, or replicated when tp is a multiple of them)")
     for key in ("n_heads", "d_ff", "vocab_size"):
         value = getattr(model, key)
         _require(value % tp == 0, f"mesh.tp={tp} does not divide model.{key}={value}; "
                                   f"choose a tp that divides {value} (tensor parallel splits it over tp)")
+    _require(model.n_kv_heads % tp == 0 or tp % model.n_kv_heads == 0,
+             f"mesh.tp={tp} and model.n_kv_heads={model.n_kv_heads}: one must divide the other (KV heads are "
+             f"split over tp, or replicated when tp is a multiple of them)")
     _require(model.n_layers % mesh.pp == 0,
              f"mesh.pp={mesh.pp} does not divide model.n_layers={model.n_layers}; use a pp that divides it")
     _validate_pipeline(config)

@@ -4,10 +4,13 @@
 
 Reads W/config.json (written by every run) and the checkpoint of step N (default: the latest), from
 whatever layout it was trained on, and writes DIR loadable with
-`transformers.LlamaForCausalLM.from_pretrained(DIR)` (jaxpar.hf_llama has the tensor mapping). The
-fp32 master weights are exported when the run kept them (precision=bf16), else the weights.
+`transformers.LlamaForCausalLM.from_pretrained(DIR)` (jaxpar.hf_llama has the tensor mapping), with
+the run's tokenizer file when its training data was made with one. The fp32 master weights are
+exported when the run kept them (precision=bf16), else the weights.
 Known limit: the whole train state (optimizer moments included) is restored on one device, so the
-host needs about 16 bytes per parameter; a VLA is refused.
+host needs about 16 bytes per parameter. A VLA is written as DIR/llm (Llama) and DIR/vision (a
+SiglipVisionModel, with projector.safetensors next to it); its encoder must be SigLIP-shaped
+(vision.bias=true, no FiLM).
 """
 
 from __future__ import annotations
@@ -31,15 +34,14 @@ def single_device(config):
 
 
 def restore_weights(workdir: pathlib.Path, step: int | None = None):
-    """(the run's Config, its step, the LLM's weights as host numpy in model layer order) from
-    `workdir`'s checkpoint of `step` (default: the latest), whatever layout wrote it."""
+    """(the run's Config, its step, its weights as host numpy, the LLM's in model layer order; a VLA's
+    include "vit" and "projector") from `workdir`'s checkpoint of `step` (default: the latest),
+    whatever layout wrote it."""
     if not (workdir / "config.json").is_file():
         raise ConfigError(f"{workdir}/config.json not found; --workdir must be a jaxpar run's directory")
     from jaxpar.config import Config, from_dict
 
     config = from_dict(Config, json.loads((workdir / "config.json").read_text()))
-    if config.model.kind != "llama":
-        raise ConfigError(f"{workdir} trained a {config.model.kind}; only Llama runs can be read so far")
     single = single_device(config)
 
     import jax
@@ -80,7 +82,14 @@ def run(argv: list[str]) -> int:
     config, step, weights = restore_weights(workdir, args.step)
     from jaxpar import hf_llama
 
-    out = hf_llama.write(weights, config.model, args.out)
+    out = pathlib.Path(args.out)
+    if config.model.kind == "vla":  # the LLM and the encoder (+ projector) as two Hugging Face directories
+        from jaxpar import hf_siglip
+
+        hf_siglip.write_vision({k: weights[k] for k in ("vit", "projector")}, config.vision, out / "vision")
+        out = out / "llm"
+    llm = {k: v for k, v in weights.items() if k not in ("vit", "projector")}
+    out = hf_llama.write(llm, config.model, out)
     tokenizer = run_tokenizer_file(config)
     if tokenizer is not None and tokenizer.is_file():
         shutil.copy(tokenizer, out / ("tokenizer.json" if tokenizer.suffix == ".json" else "tokenizer.model"))

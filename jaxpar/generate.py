@@ -105,6 +105,8 @@ def load(args):
         from jaxpar.export import restore_weights
 
         config, _, weights = restore_weights(pathlib.Path(args.workdir), args.step)
+        if config.model.kind != "llama":
+            raise ConfigError(f"{args.workdir} trained a {config.model.kind}; generation reads Llama runs only so far")
         model = config.model
     for key in ("n_heads", "vocab_size", "d_ff"):
         if getattr(model, key) % args.tp:

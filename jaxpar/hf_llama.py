@@ -96,13 +96,14 @@ def model_fields(directory: str | pathlib.Path) -> dict:
 def with_model_from_hf(config: Config) -> Config:
     """`config` with model.* taken from init.from_hf's config.json. A model field the user set to
     something else (not left at its default) is a one-line error naming it."""
-    if not config.init.from_hf:
+    directory = config.init.llm_dir
+    if not directory:
         return config
-    fields, defaults = model_fields(config.init.from_hf), ModelConfig()
+    fields, defaults = model_fields(directory), ModelConfig()
     for name, value in fields.items():
         mine = getattr(config.model, name)
         if mine != value and mine != getattr(defaults, name):
-            raise ConfigError(f"model.{name}={mine} disagrees with {config.init.from_hf}/config.json ({value}); "
+            raise ConfigError(f"model.{name}={mine} disagrees with {directory}/config.json ({value}); "
                               f"drop the override (model.* comes from the checkpoint)")
     return dataclasses.replace(config, model=dataclasses.replace(config.model, **fields))
 

@@ -140,14 +140,17 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
 def _fresh_state(builder: StepBuilder):
     """Random init, or the LLM's weights from init.from_hf (streamed shard by shard)."""
     config = builder.config
-    if not config.init.from_hf:
+    llm_dir, vision_dir = config.init.llm_dir, config.init.vision_from_hf
+    if not llm_dir and not vision_dir:
         return builder.init_state(config.train.seed)
-    from jaxpar import hf_llama
+    from jaxpar import hf_llama, hf_siglip
 
-    weights = hf_llama.load_weights(config.init.from_hf, config.model, builder.llm_weight_shardings())
+    llm = hf_llama.load_weights(llm_dir, config.model, builder.llm_weight_shardings()) if llm_dir else None
+    vision = hf_siglip.load_vision(vision_dir, config.vision) if vision_dir else None
     if jax.process_index() == 0:
-        print(f"initialised the LLM from {config.init.from_hf}")
-    return builder.init_state_from(weights, config.train.seed)
+        print("initialised " + " and ".join(f"the {part} from {where}" for part, where in
+                                            (("LLM", llm_dir), ("vision encoder", vision_dir)) if where))
+    return builder.init_state_from(llm, config.train.seed, vision)
 
 
 def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):

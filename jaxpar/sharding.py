@@ -82,8 +82,10 @@ def vision_rules(vision_tp: int, mesh) -> Rules:
     return Rules(table, ("vit_embed", "embed"), data)
 
 
-def zero_dim(logical: tuple[str, ...], rules: Rules = LLM_RULES) -> int:
-    return next(logical.index(name) for name in rules.zero_logical if name in logical)
+def zero_dim(logical: tuple[str, ...], rules: Rules = LLM_RULES) -> int | None:
+    """The dim ZeRO shards an array on; None for an array with none of the rules' ZeRO dims (e.g. a
+    ViT's per-head q bias), which ZeRO leaves replicated over the data axes."""
+    return next((logical.index(name) for name in rules.zero_logical if name in logical), None)
 
 
 def logical_to_spec(logical: tuple[str, ...], zero_sharded: bool = False, unused_axes=(),
@@ -94,7 +96,7 @@ def logical_to_spec(logical: tuple[str, ...], zero_sharded: bool = False, unused
     Mesh axes in `unused_axes` (those of size 1) are left out, so an array is only ever typed as
     varying over axes that really split it.
     """
-    zero_at = zero_dim(logical, rules) if zero_sharded else -1
+    zero_at = zero_dim(logical, rules) if zero_sharded else None
     zero_mesh = tuple(a for a in rules.zero_mesh if a not in unused_axes)
     entries, used = [], []
     for index, name in enumerate(logical):

@@ -44,7 +44,8 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
 CLI_MISTAKES = {
     # id: (arguments after `--config llama_tiny.py`, fragments of the one stderr line: the key and the fix)
     "tp_n_heads": (["--config.mesh.tp=3"], ["mesh.tp=3", "model.n_heads=4", "choose a tp that divides"]),
-    "tp_n_kv_heads": (["--config.model.n_kv_heads=2"], ["mesh.tp=4", "model.n_kv_heads=2", "choose a tp"]),
+    "tp_n_kv_heads": (["--config.model.d_model=96", "--config.model.n_heads=12", "--config.model.n_kv_heads=6"],
+                      ["mesh.tp=4", "model.n_kv_heads=6", "one must divide the other"]),
     "tp_d_ff": (["--config.model.d_ff=250"], ["mesh.tp=4", "model.d_ff=250", "choose a tp"]),
     "tp_vocab": (["--config.model.vocab_size=250"], ["mesh.tp=4", "model.vocab_size=250", "choose a tp"]),
     "batch_dp": (["--config.train.global_batch_size=15"], ["train.global_batch_size=15", "multiple of 2"]),

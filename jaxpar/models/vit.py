@@ -2,7 +2,8 @@
 
 ViT: non-overlapping patches -> linear patch embedding + learned position embedding (initialised
 to 2-D sin-cos by default, see `sincos_2d`), pre-LayerNorm
-transformer blocks with bidirectional multi-head attention and a GELU MLP, final LayerNorm. With
+transformer blocks with bidirectional multi-head attention and a GELU MLP, final LayerNorm; with
+`vision.bias` the linear layers have biases, which makes it SigLIP's vision tower (jaxpar.hf_siglip). With
 several cameras each image is encoded separately and the patch tokens are concatenated.
 Optional FiLM conditioning on the instruction (RT-1's FiLM-EfficientNet; `vision.film`): the
 instruction bytes' mean embedding gives a per-block scale and shift of every patch token, so a patch
@@ -33,6 +34,12 @@ BLOCK_AXES = {
     "ln2_scale": ("vit_embed",), "ln2_bias": ("vit_embed",),
     "w_in": ("vit_embed", "vit_mlp"), "w_out": ("vit_mlp", "vit_embed"),
 }
+# vision.bias (SigLIP): biases of the patch embedding, q / k / v / out projections and the MLP. The
+# per-head q / k / v biases and the MLP's inner bias are split over tp with their weights' outputs; the
+# out-projection and MLP-out biases are added once, after the tp sum.
+BLOCK_BIAS_AXES = {"q_bias": ("vit_heads", "head_dim"), "k_bias": ("vit_heads", "head_dim"),
+                   "v_bias": ("vit_heads", "head_dim"), "o_bias": ("vit_embed",), "in_bias": ("vit_mlp",),
+                   "out_bias": ("vit_embed",)}
 STEM_AXES = {"patch_embed": ("patch", "vit_embed"), "pos_embed": ("patches", "vit_embed"),
              "final_scale": ("vit_embed",), "final_bias": ("vit_embed",)}
 PROJECTOR_AXES = {"w1": ("vit_embed", "proj_mlp"), "w2": ("proj_mlp", "embed")}
@@ -48,9 +55,13 @@ def image_tokens(cfg: VisionConfig) -> int:
     return cfg.cameras * patches_per_image(cfg)
 
 
+def block_axes(cfg: VisionConfig) -> dict:
+    return {**BLOCK_AXES, **(BLOCK_BIAS_AXES if cfg.bias else {})}
+
+
 def param_axes(cfg: VisionConfig) -> dict:
-    stem = {**STEM_AXES, **(FILM_AXES if cfg.film else {})}
-    return {"vit": {**stem, "blocks": {k: ("vit_layers",) + v for k, v in BLOCK_AXES.items()}},
+    stem = {**STEM_AXES, **(FILM_AXES if cfg.film else {}), **({"patch_bias": ("vit_embed",)} if cfg.bias else {})}
+    return {"vit": {**stem, "blocks": {k: ("vit_layers",) + v for k, v in block_axes(cfg).items()}},
             "projector": PROJECTOR_AXES}
 
 
@@ -63,6 +74,9 @@ def param_shapes(cfg: VisionConfig, llm_width: int) -> dict:
             "final_scale": (d,), "final_bias": (d,)}
     if cfg.film:  # a scale and a shift of the d channels after each block
         stem.update(film_embed=(INSTRUCTION_VOCAB, d), film_proj=(d, cfg.depth, 2 * d))
+    if cfg.bias:
+        stem["patch_bias"] = (d,)
+        block.update(q_bias=(n, h), k_bias=(n, h), v_bias=(n, h), o_bias=(d,), in_bias=(f,), out_bias=(d,))
     return {"vit": {**stem, "blocks": {k: (cfg.depth,) + s for k, s in block.items()}},
             "projector": {"w1": (d, cfg.projector_dim), "w2": (cfg.projector_dim, llm_width)}}
 
@@ -145,30 +159,46 @@ def patchify(images_BxHxWxC: jax.Array, patch: int) -> jax.Array:
 
 
 def vit_block(x_BxNxD: jax.Array, p: dict, coll: Collectives, attention: str = "xla") -> jax.Array:
-    """One pre-LN block; `attention` is the core-attention kernel (jaxpar.layers.attention.kernel)."""
-    p = coll.gather_weights(p, BLOCK_AXES)
+    """One pre-LN block; `attention` is the core-attention kernel (jaxpar.layers.attention.kernel).
+    GELU is the tanh approximation (jax's default; SigLIP's gelu_pytorch_tanh)."""
+    p = coll.gather_weights(p, {k: v for k, v in {**BLOCK_AXES, **BLOCK_BIAS_AXES}.items() if k in p})
+    bias = lambda name: p.get(name, 0.0)  # noqa: E731  (vision.bias=false: no biases)
     h = layer_norm(x_BxNxD, p["ln1_scale"], p["ln1_bias"])
-    q, k, v = (checkpoint_name(jnp.einsum("bnd,dhk->bnhk", h, p[w]), name)
-               for w, name in (("wq", "query_proj"), ("wk", "key_proj"), ("wv", "value_proj")))
+    q, k, v = (checkpoint_name(jnp.einsum("bnd,dhk->bnhk", h, p[w]) + bias(b), name)
+               for w, b, name in (("wq", "q_bias", "query_proj"), ("wk", "k_bias", "key_proj"),
+                                  ("wv", "v_bias", "value_proj")))
     o = checkpoint_name(jax.nn.dot_product_attention(q, k, v, implementation=kernel(attention)),
                         "attention_out")  # bidirectional
-    x_BxNxD = x_BxNxD + checkpoint_name(coll.tp_sum(jnp.einsum("bnhk,hkd->bnd", o, p["wo"])), "attention_proj")
+    attended = coll.tp_sum(jnp.einsum("bnhk,hkd->bnd", o, p["wo"])) + bias("o_bias")
+    x_BxNxD = x_BxNxD + checkpoint_name(attended, "attention_proj")
     h = layer_norm(x_BxNxD, p["ln2_scale"], p["ln2_bias"])
-    hidden = jax.nn.gelu(checkpoint_name(jnp.einsum("bnd,df->bnf", h, p["w_in"]), "mlp_up"))
-    return x_BxNxD + checkpoint_name(coll.tp_sum(jnp.einsum("bnf,fd->bnd", hidden, p["w_out"])), "mlp_out")
+    hidden = jax.nn.gelu(checkpoint_name(jnp.einsum("bnd,df->bnf", h, p["w_in"]) + bias("in_bias"), "mlp_up"))
+    out = coll.tp_sum(jnp.einsum("bnf,fd->bnd", hidden, p["w_out"])) + bias("out_bias")
+    return x_BxNxD + checkpoint_name(out, "mlp_out")
 
 
 def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll: Collectives,
            remat_policy: Callable | None = None, instruction_BxT: jax.Array | None = None) -> jax.Array:
     """Images (and, with cfg.film, the instruction bytes) -> projected image tokens
     [B, cameras x patches, llm_width] in the params' dtype."""
+    x = features(params, images_BxCamxHxWxC, cfg, coll, remat_policy, instruction_BxT)
+    proj = coll.gather_weights(params["projector"], PROJECTOR_AXES)
+    tokens = jax.nn.gelu(x @ proj["w1"]) @ proj["w2"]
+    b = images_BxCamxHxWxC.shape[0]
+    return tokens.reshape(b, -1, tokens.shape[-1])
+
+
+def features(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll: Collectives,
+             remat_policy: Callable | None = None, instruction_BxT: jax.Array | None = None) -> jax.Array:
+    """The encoder's output before the projector: [B x cameras, patches, width] after the final
+    LayerNorm (SigLIP's last_hidden_state)."""
     vit = params["vit"]
     b, cams = images_BxCamxHxWxC.shape[:2]
     stem_axes = {k: v for k, v in param_axes(cfg)["vit"].items() if k != "blocks"}  # (FiLM's too)
     stem = coll.gather_weights({k: vit[k] for k in stem_axes}, stem_axes)
     dtype = stem["patch_embed"].dtype
     images = images_BxCamxHxWxC.reshape(b * cams, *images_BxCamxHxWxC.shape[2:]).astype(dtype)
-    x = patchify(images, cfg.patch_size) @ stem["patch_embed"] + stem["pos_embed"][None]
+    x = patchify(images, cfg.patch_size) @ stem["patch_embed"] + stem.get("patch_bias", 0.0) + stem["pos_embed"][None]
     if cfg.film:
         if instruction_BxT is None:
             raise ValueError("vision.film conditions the encoder on the instruction: pass instruction_BxT")
@@ -186,10 +216,7 @@ def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll:
     if remat_policy is not None:
         body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
     x, _ = jax.lax.scan(body, x, (vit["blocks"], film_LxBx2xD))
-    x = layer_norm(x, stem["final_scale"], stem["final_bias"])
-    proj = coll.gather_weights(params["projector"], PROJECTOR_AXES)
-    tokens = jax.nn.gelu(x @ proj["w1"]) @ proj["w2"]
-    return tokens.reshape(b, cams * x.shape[1], tokens.shape[-1])
+    return layer_norm(x, stem["final_scale"], stem["final_bias"])
 
 
 def flops_per_image_set(cfg: VisionConfig, llm_width: int) -> float:

@@ -142,12 +142,15 @@ class StepBuilder:
     def _init(self, key) -> TrainState:
         return self._init_from(llama.init(self.config.model, key), key)
 
-    def _init_from(self, llm_weights, key) -> TrainState:
+    def _init_from(self, llm_weights, key, vision_weights=None) -> TrainState:
         """A fresh state (step 0, new optimizer moments) from the LLM's fp32 weights in model order;
-        the vision encoder (if any) is initialised from `key`."""
+        the vision encoder (if any) from `vision_weights` ({"vit": ...}) or `key`, its projector from `key`."""
         master = self.from_model_order(llm_weights)
         if self.vision is not None:
-            master.update(vit.init(self.config.vision, self.config.model.d_model, key))
+            vision = vit.init(self.config.vision, self.config.model.d_model, key)
+            if vision_weights is not None:
+                vision["vit"] = vision_weights["vit"]
+            master.update(vision)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=jax.tree.map(lambda w: w.astype(self.compute_dtype), master),
@@ -172,10 +175,14 @@ class StepBuilder:
         llm = {k: v for k, v in self.specs.opt.items() if k not in VISION_KEYS}
         return self._named(llm)
 
-    def init_state_from(self, llm_weights, seed: int) -> TrainState:
-        """A fresh sharded state whose LLM weights are `llm_weights` (e.g. a Hugging Face checkpoint)."""
-        init = jax.jit(self._init_from, out_shardings=self.state_shardings(), donate_argnums=0)
-        return init(llm_weights, jax.random.key(seed))
+    def init_state_from(self, llm_weights, seed: int, vision_weights=None) -> TrainState:
+        """A fresh sharded state from given weights (e.g. Hugging Face checkpoints): the LLM's
+        (None: random) and the vision encoder's (None: random); the rest from `seed`."""
+        def build(llm, vision, key):
+            return self._init_from(llama.init(self.config.model, key) if llm is None else llm, key, vision)
+
+        init = jax.jit(build, out_shardings=self.state_shardings(), donate_argnums=0)
+        return init(llm_weights, vision_weights, jax.random.key(seed))
 
     # ------------------------------------------------------------------ batches
     def batch_sharding(self) -> NamedSharding:

@@ -106,8 +106,10 @@ def reduce_gradients(grads, logical_axes, mesh_axes, scatter: bool, rules: Rules
     dim (ZeRO 2), moving them in `dtype` (fp32 by default; bf16 with grad_reduce=bf16)."""
     if scatter:
         def scatter_one(g, axes):
-            return jax.lax.psum_scatter(g.astype(dtype), mesh_axes, scatter_dimension=zero_dim(axes, rules),
-                                        tiled=True)
+            dim = zero_dim(axes, rules)
+            if dim is None:  # an array ZeRO leaves whole (no ZeRO dim): all-reduced
+                return jax.lax.psum(g.astype(dtype), mesh_axes)
+            return jax.lax.psum_scatter(g.astype(dtype), mesh_axes, scatter_dimension=dim, tiled=True)
         return jax.tree.map(scatter_one, grads, logical_axes)
     return jax.tree.map(lambda g: jax.lax.psum(g.astype(dtype), mesh_axes), grads)
 

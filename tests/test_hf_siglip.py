@@ -1,0 +1,179 @@
+"""A Hugging Face SigLIP vision tower as the VLA's encoder, checked against transformers'
+SiglipVisionModel, and a VLA started from pretrained parts (Llama + SigLIP, fresh projector)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxpar import hf_siglip  # noqa: E402
+from jaxpar.config import ConfigError, VisionConfig, load_config  # noqa: E402
+from jaxpar.layers.collectives import Collectives  # noqa: E402
+from jaxpar.loop import _fresh_state  # noqa: E402
+from jaxpar.mesh import Layout  # noqa: E402
+from jaxpar.models import vit, vla  # noqa: E402
+from jaxpar.parallel.step import StepBuilder  # noqa: E402
+from jaxpar.sharding import tree_specs, unused_mesh_axes, vision_rules  # noqa: E402
+
+
+def make_siglip(directory, image_size=16, patch_size=4, width=64, depth=2, heads=4, mlp=128):
+    torch.manual_seed(0)
+    config = transformers.SiglipVisionConfig(hidden_size=width, intermediate_size=mlp, num_hidden_layers=depth,
+                                             num_attention_heads=heads, image_size=image_size, patch_size=patch_size)
+    model = transformers.SiglipVisionModel(config).eval()
+    with torch.no_grad():  # biases and norms away from their init, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model
+
+
+def images(n=2, size=16, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, size, size, 3)).astype(np.float32)
+
+
+def hf_features(model, pixels_BxHxWxC):
+    with torch.no_grad():
+        return model(pixel_values=torch.tensor(pixels_BxHxWxC.transpose(0, 3, 1, 2))).last_hidden_state.numpy()
+
+
+def vision_config(directory) -> VisionConfig:
+    return VisionConfig(**hf_siglip.vision_fields(directory))
+
+
+def close(actual, expected):
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4 * np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize("whole_model_names", [False, True])
+def test_features_equal_transformers_on_one_device(tmp_path, whole_model_names):
+    model = make_siglip(tmp_path)
+    if whole_model_names:  # the names inside a whole SigLIP model (the hub's checkpoints): "vision_model." first
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(tmp_path / "model.safetensors")
+        save_file({f"vision_model.{k}": v for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    cfg = vision_config(tmp_path)
+    assert cfg.bias and (cfg.width, cfg.depth, cfg.n_heads, cfg.mlp_dim, cfg.patch_size) == (64, 2, 4, 128, 4)
+    params = hf_siglip.load_vision(tmp_path, cfg)
+    pixels = images()
+    ours = vit.features(params, pixels[:, None], cfg, Collectives())
+    close(np.asarray(ours), hf_features(model, pixels))
+
+
+def test_features_equal_transformers_with_tensor_parallel_biases(tmp_path):
+    """tp = 2: the per-head q / k / v and MLP-in biases split with their weights, the out biases added
+    once after the tp sum."""
+    model = make_siglip(tmp_path)
+    cfg = dataclasses.replace(vision_config(tmp_path), tp=2)
+    params = hf_siglip.load_vision(tmp_path, cfg)
+    mesh = Layout(dp=1, pp=1, tp=2).make_mesh()
+    specs = tree_specs({"vit": vit.param_axes(cfg)["vit"]}, False, unused_mesh_axes(mesh), vision_rules(2, mesh))
+    run = jax.shard_map(lambda p, x: vit.features(p, x, cfg, Collectives(tp_axis="tp")), mesh=mesh,
+                        in_specs=(specs, P()), out_specs=P())
+    pixels = images()
+    close(np.asarray(jax.jit(run)(params, pixels[:, None])), hf_features(model, pixels))
+
+
+def test_vla_starts_from_llama_and_siglip(tmp_path):
+    from test_hf import make_hf_model
+
+    make_siglip(tmp_path / "siglip")
+    llm_dir = tmp_path / "llama"
+    torch.manual_seed(0)
+    hf_llm = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=10000.0))
+    hf_llm.save_pretrained(llm_dir)
+    assert make_hf_model  # (the Llama import itself is tested in test_hf.py)
+    config = load_config("vla_tiny", [f"init.llm_from_hf={llm_dir}", f"init.vision_from_hf={tmp_path / 'siglip'}",
+                                      "vision.film=false"])
+    assert config.vision.bias and config.model.n_layers == 4
+    builder = StepBuilder(config, Layout.for_config(config).make_mesh())
+    state = _fresh_state(builder)
+    params = jax.device_get(state.params)
+    expected = hf_siglip.load_vision(tmp_path / "siglip", config.vision)["vit"]
+    jax.tree.map(np.testing.assert_array_equal, params["vit"], expected)
+    np.testing.assert_array_equal(params["embed"], hf_llm.model.embed_tokens.weight.detach().numpy())
+    batch = vla.synthetic_batch(config, 0, config.train.global_batch_size)
+    _, metrics = builder.jit_train_step()(state, jax.device_put(batch, builder.batch_sharding()))
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_siglip_config_mistakes_are_one_line_errors(tmp_path):
+    make_siglip(tmp_path)
+    with pytest.raises(ConfigError, match=r"vision.width=128 disagrees"):
+        load_config("vla_tiny", [f"init.vision_from_hf={tmp_path}", "vision.width=128", "vision.film=false"])
+    with pytest.raises(ConfigError, match="needs model.kind=vla"):
+        load_config("llama_tiny", [f"init.vision_from_hf={tmp_path}"])
+    with pytest.raises(ConfigError, match="vision.film adds weights"):
+        hf_siglip.load_vision(tmp_path, dataclasses.replace(vision_config(tmp_path), film=True))
+
+
+def test_biased_encoder_in_parallel_matches_one_device(tmp_path):
+    """The SigLIP encoder (every bias non-zero) in a VLA on (2, 2, 2) with vision tp = 2 and vision
+    ZeRO-2 (the per-head biases have no ZeRO dim and stay whole) equals one device: losses and gradients."""
+    make_siglip(tmp_path)
+    common = [f"init.vision_from_hf={tmp_path}", "vision.film=false", "train.global_batch_size=8"]
+    single = load_config("vla_tiny", common + ["mesh.dp=1", "mesh.pp=1", "mesh.tp=1", "pipeline.microbatches=1",
+                                               "zero.stage=0", "vision.zero.stage=0"])
+    parallel = load_config("vla_tiny", common + ["vision.tp=2", "pipeline.microbatches=2"])
+    results = []
+    for config in (single, parallel):
+        builder = StepBuilder(config, Layout.for_config(config).make_mesh())
+        state = builder.init_state_from(None, 0, hf_siglip.load_vision(tmp_path, config.vision))
+        step = builder.jit_train_step(with_grads=True)
+        losses, grads = [], None
+        for i in range(2):
+            batch = jax.device_put(vla.synthetic_batch(config, i, 8), builder.batch_sharding())
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+            grads = grads or jax.device_get(metrics["grads"]["vit"])
+        results.append((np.array(losses), grads))
+    (ref_losses, ref_grads), (losses, grads) = results
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+    # the key bias's true gradient is zero: q . (k + b) shifts every score of a query by the same q . b,
+    # which softmax ignores; both sides must show only rounding there
+    assert np.abs(grads["blocks"].pop("k_bias")).max() < 1e-6 and np.abs(ref_grads["blocks"].pop("k_bias")).max() < 1e-6
+
+    def check(path, a, e):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * np.max(np.abs(e)), err_msg=jax.tree_util.keystr(path))
+    jax.tree_util.tree_map_with_path(check, grads, ref_grads)
+    assert np.abs(ref_grads["blocks"]["q_bias"]).max() > 1e-4
+
+
+def test_vla_export_writes_a_llama_and_a_siglip_that_transformers_loads(tmp_path):
+    import json
+
+    from safetensors.numpy import load_file
+
+    from jaxpar import export
+    from jaxpar.loop import train
+
+    make_siglip(tmp_path / "siglip")
+    config = load_config("vla_tiny", [f"init.vision_from_hf={tmp_path / 'siglip'}", "vision.film=false",
+                                      "data.train=", "data.eval=", "data.generate=false", "train.steps=1",
+                                      "train.global_batch_size=8", "pipeline.microbatches=2", "train.lr=0.01"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    train(config, Layout.for_config(config).make_mesh(), run_dir, show_progress=False)
+    assert export.main(["--workdir", str(run_dir), "--out", str(tmp_path / "out")]) == 0
+
+    _, _, weights = export.restore_weights(run_dir)
+    tower = transformers.SiglipVisionModel.from_pretrained(tmp_path / "out" / "vision").eval()
+    pixels = images()
+    close(np.asarray(vit.features(weights, pixels[:, None], config.vision, Collectives())), hf_features(tower, pixels))
+    original = transformers.SiglipVisionModel.from_pretrained(tmp_path / "siglip").eval()
+    assert not np.allclose(hf_features(original, pixels), hf_features(tower, pixels), atol=1e-4), "trained weights"
+    projector = load_file(tmp_path / "out" / "vision" / "projector.safetensors")
+    np.testing.assert_array_equal(projector["w2"], weights["projector"]["w2"])
+    llm = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out" / "llm")
+    np.testing.assert_array_equal(llm.model.embed_tokens.weight.detach().numpy(), weights["embed"])
