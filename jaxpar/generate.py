@@ -1,7 +1,9 @@
-"""Generate text with a trained run or a Hugging Face Llama, tensor parallel over N devices.
+"""Generate text with a trained run or a Hugging Face Llama, tensor parallel over N devices; or a VLA
+run's action for one step of an episode.
 
     python -m jaxpar.generate (--workdir W [--step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3)
         [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S] [--tp N] [--json]
+    python -m jaxpar.generate --workdir VLA_RUN --episode episode_00000.npz --at K [--json]
 
 The prompt is run through the model once (prefill, filling the KV cache), then one token per step
 (jaxpar.models.decode). Temperature 0 is greedy; otherwise the logits are divided by the
@@ -20,8 +22,8 @@ import sys
 from jaxpar.cli import OneLineArgumentParser, main_with_one_line_errors
 from jaxpar.errors import ConfigError
 
-USAGE = ("(--workdir W [--step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3) [--max_new_tokens N] "
-         "[--temperature T] [--top_p P] [--seed S] [--tp N] [--json]")
+USAGE = ("(--workdir W [--step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3 | --episode FILE --at K) "
+         "[--max_new_tokens N] [--temperature T] [--top_p P] [--seed S] [--tp N] [--json]")
 
 
 def parse_args(argv: list[str]):
@@ -32,6 +34,8 @@ def parse_args(argv: list[str]):
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt_ids")
+    prompt.add_argument("--episode")  # a VLA run: predict the action of --step K of this episode file
+    parser.add_argument("--at", type=int, default=0)  # the episode step whose action --episode predicts
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -191,8 +195,42 @@ def _sample(logits_V, temperature: float, top_p: float, key):
     return order[choice]
 
 
+def predict_episode_action(args) -> dict:
+    """A VLA run's greedy action for step `args.at` of an episode file (one device)."""
+    import jax
+    import numpy as np
+
+    from jaxpar.data.episodes import instruction_bytes
+    from jaxpar.export import restore_weights
+    from jaxpar.models import decode, vla
+
+    if not args.workdir:
+        raise ConfigError("--episode needs --workdir (a VLA run)")
+    config, _, weights = restore_weights(pathlib.Path(args.workdir), args.step)
+    if config.model.kind != "vla":
+        raise ConfigError(f"--episode needs a VLA run; {args.workdir} trained a {config.model.kind}")
+    path = pathlib.Path(args.episode)
+    if not path.is_file():
+        raise ConfigError(f"--episode {path}: no such file")
+    with np.load(path) as episode:
+        images, instruction, actions = episode["images"], str(episode["instruction"]), episode["actions"]
+    if not 0 <= args.at < len(images):
+        raise ConfigError(f"--at {args.at} is outside {path}'s {len(images)} steps")
+    image = images[args.at][None].astype(np.float32) / 255.0  # as the training pipeline scales them
+    text = instruction_bytes(instruction, config.actions.instruction_len, path)[None].astype(np.int32)
+    tokens = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config)[0])[0]
+    tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
+    action = tokenizer.from_bins(tokenizer.tokens_to_bins(tokens))
+    return {"action_ids": tokens.tolist(), "action": np.round(action, 6).tolist(),
+            "recorded_action": np.round(actions[args.at], 6).tolist()}
+
+
 def run(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.episode:
+        result = predict_episode_action(args)
+        print(json.dumps(result) if args.json else " ".join(f"{a:.4f}" for a in result["action"]))
+        return 0
     from jaxpar.mesh import emulate_cpu_devices
 
     try:

@@ -100,3 +100,50 @@ def test_cli_json_and_one_line_errors(hf_dirs, capsys):
     assert "--tp 3 does not divide" in capsys.readouterr().err
 
 
+
+
+def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
+    """A VLA run predicts step K's action token by token with a KV cache (prefix-LM prefix in one
+    call). Fed back as the actions of a training batch, the training forward's argmax over action
+    tokens must give the same tokens at every action position."""
+    import dataclasses
+
+    from jaxpar.config import load_config
+    from jaxpar.data.episodes import instruction_bytes, make_episode, make_scene
+    from jaxpar.export import restore_weights
+    from jaxpar.loop import train
+    from jaxpar.mesh import Layout
+    from jaxpar.models import vit, vla
+
+    config = load_config("vla_tiny", ["data.train=", "data.eval=", "data.generate=false", "train.steps=2",
+                                      "train.global_batch_size=8", "pipeline.microbatches=2", "train.lr=0.01"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    train(config, Layout.for_config(config).make_mesh(), run_dir, show_progress=False)
+    rng = np.random.default_rng(0)
+    squares, target = make_scene(rng, 4, 3)
+    episode = make_episode(rng, squares, target, size=config.vision.image_size)
+    np.savez(tmp_path / "episode_00000.npz", **episode)
+
+    assert gen.main(["--workdir", str(run_dir), "--episode", str(tmp_path / "episode_00000.npz"), "--at", "1",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = np.asarray(out["action_ids"])
+    assert len(ids) == config.actions.dims and len(out["action"]) == config.actions.dims
+
+    _, _, params = restore_weights(run_dir)
+    image = episode["images"][1][None].astype(np.float32) / 255.0
+    text = instruction_bytes(episode["instruction"], config.actions.instruction_len, "test")[None].astype(np.int32)
+    batch = vla.make_batch(config, image, text, np.asarray([out["action"]], np.float32))
+    coll = Collectives()
+    x = vla.llm_inputs(params, vit.encode(params, batch["images"], config.vision, coll, None, text), batch["inputs"], coll)
+    x = llama.run_layers(x, params["layers"], config.model, coll, None, vla.prefix_len(config))
+    logits = np.asarray(llama.head_logits(params, x, config.model, coll))[0]
+    first_action = config.model.vocab_size - config.actions.bins
+    at = np.flatnonzero(batch["mask"][0])
+    np.testing.assert_array_equal(batch["targets"][0, at], ids)  # the decoded action maps back to the same tokens
+    tokens, scores = decode.predict_actions(params, image, text, config)
+    np.testing.assert_array_equal(np.asarray(tokens)[0], ids)
+    expected = logits[at, first_action:]
+    np.testing.assert_allclose(np.asarray(scores)[0], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

@@ -25,8 +25,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, local_kv_heads: int, 
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def _cached_attention(x_BxTxD, p, cfg: ModelConfig, coll: Collectives, k_cache, v_cache, start):
-    """Causal attention of T new positions over the cache; returns (output, updated caches)."""
+def _cached_attention(x_BxTxD, p, cfg: ModelConfig, coll: Collectives, k_cache, v_cache, start, prefix_len: int = 0):
+    """Causal attention of T new positions over the cache (the first `prefix_len` positions see each
+    other, as the VLA's prefix-LM mask); returns (output, updated caches)."""
     positions_T = start + jnp.arange(x_BxTxD.shape[1])
     q = rope(jnp.einsum("btd,dnh->btnh", x_BxTxD, p["wq"]), cfg.rope_theta, cfg.rope_scaling, positions_T)
     k = rope(jnp.einsum("btd,dkh->btkh", x_BxTxD, coll.local_kv_heads(p["wk"])), cfg.rope_theta, cfg.rope_scaling,
@@ -38,15 +39,16 @@ def _cached_attention(x_BxTxD, p, cfg: ModelConfig, coll: Collectives, k_cache, 
     kv_heads = k_cache.shape[2]
     q_grouped = q.reshape(b, t, kv_heads, n // kv_heads, h)  # query heads share KV heads in groups
     scores = jnp.einsum("btkgh,bskh->bkgts", q_grouped, k_cache, preferred_element_type=jnp.float32) / jnp.sqrt(h)
-    visible_TxS = jnp.arange(k_cache.shape[1])[None, :] <= positions_T[:, None]
+    keys_S = jnp.arange(k_cache.shape[1])[None, :]
+    visible_TxS = (keys_S <= positions_T[:, None]) | ((keys_S < prefix_len) & (positions_T[:, None] < prefix_len))
     probs = jax.nn.softmax(jnp.where(visible_TxS, scores, -jnp.inf), axis=-1)
     out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_cache.dtype), v_cache).reshape(b, t, n, h)
     return coll.row_parallel_sum(jnp.einsum("btnh,nhd->btd", out.astype(x_BxTxD.dtype), p["wo"])), k_cache, v_cache
 
 
-def _cached_layer(x_BxTxD, p, cfg: ModelConfig, coll: Collectives, k_cache, v_cache, start):
+def _cached_layer(x_BxTxD, p, cfg: ModelConfig, coll: Collectives, k_cache, v_cache, start, prefix_len: int):
     h = coll.enter_tensor_parallel(rms_norm(x_BxTxD, p["attn_norm"], cfg.norm_eps))
-    attended, k_cache, v_cache = _cached_attention(h, p, cfg, coll, k_cache, v_cache, start)
+    attended, k_cache, v_cache = _cached_attention(h, p, cfg, coll, k_cache, v_cache, start, prefix_len)
     x_BxTxD = x_BxTxD + attended
     h = coll.enter_tensor_parallel(rms_norm(x_BxTxD, p["mlp_norm"], cfg.norm_eps))
     return x_BxTxD + swiglu_mlp(h, p, coll), k_cache, v_cache
@@ -55,12 +57,43 @@ def _cached_layer(x_BxTxD, p, cfg: ModelConfig, coll: Collectives, k_cache, v_ca
 def forward(params: dict, ids_BxT: jax.Array, cache: dict, start, cfg: ModelConfig,
             coll: Collectives = Collectives()) -> tuple[jax.Array, dict]:
     """(this rank's [B, T, V/tp] fp32 logits of the T new tokens, the updated cache)."""
-    x = llama.embed_tokens(params, ids_BxT, coll)
+    return forward_embedded(params, llama.embed_tokens(params, ids_BxT, coll), cache, start, cfg, coll)
+
+
+def forward_embedded(params: dict, x_BxTxD: jax.Array, cache: dict, start, cfg: ModelConfig,
+                     coll: Collectives = Collectives(), prefix_len: int = 0) -> tuple[jax.Array, dict]:
+    """`forward` from input embeddings (a VLA's prefix is image tokens + embedded instruction),
+    the first `prefix_len` positions attending bidirectionally."""
+    x = x_BxTxD
 
     def body(x, layer):
         p, k_cache, v_cache = layer
-        x, k_cache, v_cache = _cached_layer(x, p, cfg, coll, k_cache, v_cache, start)
+        x, k_cache, v_cache = _cached_layer(x, p, cfg, coll, k_cache, v_cache, start, prefix_len)
         return x, (k_cache, v_cache)
 
     x, (k_cache, v_cache) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
     return llama.head_logits(params, x, cfg, coll), {"k": k_cache, "v": v_cache}
+
+
+def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT: jax.Array,
+                    config) -> tuple[jax.Array, jax.Array]:
+    """A VLA's greedy action tokens [B, dims] on one device, and the logits they were chosen from
+    [B, dims, bins]: the image + instruction prefix in one call, then one action token per call,
+    each the most likely among the action tokens only."""
+    from jaxpar.models import vit, vla
+
+    coll, cfg, dims = Collectives(), config.model, config.actions.dims
+    tokens = vit.encode(params, images_BxCamxHxWxC, config.vision, coll, None, instruction_BxT)
+    x = vla.llm_inputs(params, tokens, instruction_BxT, coll)
+    prefix = x.shape[1]
+    cache = init_cache(cfg, x.shape[0], prefix + dims - 1, cfg.n_kv_heads, x.dtype)
+    logits, cache = forward_embedded(params, x, cache, 0, cfg, coll, vla.prefix_len(config))
+    first_action = cfg.vocab_size - config.actions.bins
+    out, scores = [], []
+    for j in range(dims):
+        scores.append(logits[:, -1, first_action:])
+        token = first_action + jnp.argmax(scores[-1], axis=-1).astype(jnp.int32)
+        out.append(token)
+        if j + 1 < dims:
+            logits, cache = forward(params, token[:, None], cache, prefix + j, cfg, coll)
+    return jnp.stack(out, axis=1), jnp.stack(scores, axis=1)
