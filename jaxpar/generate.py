@@ -1,9 +1,9 @@
 """Generate text with a trained run or a Hugging Face Llama, tensor parallel over N devices; or a VLA
 run's action for one step of an episode.
 
-    python -m jaxpar.generate (--workdir W [--step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3)
+    python -m jaxpar.generate (--workdir W [--checkpoint_step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3)
         [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S] [--tp N] [--json]
-    python -m jaxpar.generate --workdir VLA_RUN --episode episode_00000.npz --at K [--json]
+    python -m jaxpar.generate --workdir VLA_RUN --episode episode_00000.npz --step K [--json]
 
 The prompt is run through the model once (prefill, filling the KV cache), then one token per step
 (jaxpar.models.decode). Temperature 0 is greedy; otherwise the logits are divided by the
@@ -22,7 +22,7 @@ import sys
 from jaxpar.cli import OneLineArgumentParser, main_with_one_line_errors
 from jaxpar.errors import ConfigError
 
-USAGE = ("(--workdir W [--step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3 | --episode FILE --at K) "
+USAGE = ("(--workdir W [--checkpoint_step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3 | --episode FILE --step K) "
          "[--max_new_tokens N] [--temperature T] [--top_p P] [--seed S] [--tp N] [--json]")
 
 
@@ -35,8 +35,8 @@ def parse_args(argv: list[str]):
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt_ids")
     prompt.add_argument("--episode")  # a VLA run: predict the action of --step K of this episode file
-    parser.add_argument("--at", type=int, default=0)  # the episode step whose action --episode predicts
-    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--step", type=int, default=0)  # the episode step whose action --episode predicts
+    parser.add_argument("--checkpoint_step", type=int, default=None)  # default: the latest checkpoint
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top_p", type=float, default=1.0)
@@ -108,7 +108,7 @@ def load(args):
     else:
         from jaxpar.export import restore_weights
 
-        config, _, weights = restore_weights(pathlib.Path(args.workdir), args.step)
+        config, _, weights = restore_weights(pathlib.Path(args.workdir), args.checkpoint_step)
         if config.model.kind != "llama":
             raise ConfigError(f"{args.workdir} trained a {config.model.kind}; generation reads Llama runs only so far")
         model = config.model
@@ -196,7 +196,7 @@ def _sample(logits_V, temperature: float, top_p: float, key):
 
 
 def predict_episode_action(args) -> dict:
-    """A VLA run's greedy action for step `args.at` of an episode file (one device)."""
+    """A VLA run's greedy action for step `args.step` of an episode file (one device)."""
     import jax
     import numpy as np
 
@@ -206,7 +206,7 @@ def predict_episode_action(args) -> dict:
 
     if not args.workdir:
         raise ConfigError("--episode needs --workdir (a VLA run)")
-    config, _, weights = restore_weights(pathlib.Path(args.workdir), args.step)
+    config, _, weights = restore_weights(pathlib.Path(args.workdir), args.checkpoint_step)
     if config.model.kind != "vla":
         raise ConfigError(f"--episode needs a VLA run; {args.workdir} trained a {config.model.kind}")
     path = pathlib.Path(args.episode)
@@ -214,15 +214,15 @@ def predict_episode_action(args) -> dict:
         raise ConfigError(f"--episode {path}: no such file")
     with np.load(path) as episode:
         images, instruction, actions = episode["images"], str(episode["instruction"]), episode["actions"]
-    if not 0 <= args.at < len(images):
-        raise ConfigError(f"--at {args.at} is outside {path}'s {len(images)} steps")
-    image = images[args.at][None].astype(np.float32) / 255.0  # as the training pipeline scales them
+    if not 0 <= args.step < len(images):
+        raise ConfigError(f"--step {args.step} is outside {path}'s {len(images)} steps")
+    image = images[args.step][None].astype(np.float32) / 255.0  # as the training pipeline scales them
     text = instruction_bytes(instruction, config.actions.instruction_len, path)[None].astype(np.int32)
     tokens = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config)[0])[0]
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
     action = tokenizer.from_bins(tokenizer.tokens_to_bins(tokens))
     return {"action_ids": tokens.tolist(), "action": np.round(action, 6).tolist(),
-            "recorded_action": np.round(actions[args.at], 6).tolist()}
+            "recorded_action": np.round(actions[args.step], 6).tolist()}
 
 
 def run(argv: list[str]) -> int:
@@ -233,10 +233,13 @@ def run(argv: list[str]) -> int:
         return 0
     from jaxpar.mesh import emulate_cpu_devices
 
-    try:
-        emulate_cpu_devices(args.tp)  # before JAX starts a backend (no-op for GPUs)
-    except RuntimeError:  # called in a process whose backend is up: its devices are what there is
-        pass
+    import jax
+
+    if jax.config.jax_num_cpu_devices < args.tp:  # never fewer than a caller (e.g. a test) asked for
+        try:
+            emulate_cpu_devices(args.tp)  # before JAX starts a backend (no-op for GPUs)
+        except RuntimeError:  # called in a process whose backend is up: its devices are what there is
+            pass
     model, weights, mesh, tokenizer, eos = load(args)
     prompt = _prompt_ids(args, tokenizer, model.vocab_size)
     new = generate(model, weights, mesh, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed, eos)

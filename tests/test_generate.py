@@ -126,7 +126,7 @@ def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
     episode = make_episode(rng, squares, target, size=config.vision.image_size)
     np.savez(tmp_path / "episode_00000.npz", **episode)
 
-    assert gen.main(["--workdir", str(run_dir), "--episode", str(tmp_path / "episode_00000.npz"), "--at", "1",
+    assert gen.main(["--workdir", str(run_dir), "--episode", str(tmp_path / "episode_00000.npz"), "--step", "1",
                      "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ids = np.asarray(out["action_ids"])
