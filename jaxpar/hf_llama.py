@@ -120,6 +120,10 @@ class SafetensorsReader:
         index = self.directory / "model.safetensors.index.json"
         if index.is_file():
             self.files = {name: self.directory / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+            missing = sorted({path.name for path in self.files.values() if not path.is_file()})
+            if missing:
+                raise ConfigError(f"{index} names shard {missing[0]}, which is not in {self.directory}"
+                                  + (f" ({len(missing)} shards missing)" if len(missing) > 1 else ""))
         elif (self.directory / "model.safetensors").is_file():
             with safe_open(self.directory / "model.safetensors", framework="flax") as f:
                 self.files = {name: self.directory / "model.safetensors" for name in f.keys()}

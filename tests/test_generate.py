@@ -68,6 +68,16 @@ def test_cached_decoding_equals_the_full_forward(hf_dirs):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(full))))
 
 
+def test_greedy_with_the_cache_equals_greedy_without_it(hf_dirs):
+    """Without a cache: the whole sequence through the training forward at every step."""
+    config, weights, mesh, _, _ = load(hf_dirs["llama3_rope"][0], 1)
+    params, coll, ids = jax.device_get(weights), Collectives(), list(PROMPT)
+    for _ in range(NEW):
+        x = llama.run_layers(llama.embed_tokens(params, jnp.asarray([ids]), coll), params["layers"], config, coll)
+        ids.append(int(jnp.argmax(llama.head_logits(params, x, config, coll)[0, -1])))
+    assert gen.generate(config, weights, mesh, PROMPT, NEW) == ids[len(PROMPT):]
+
+
 def test_nucleus_sampling(hf_dirs):
     config, weights, mesh, _, _ = load(hf_dirs["gqa"][0], 1)
     greedy = gen.generate(config, weights, mesh, PROMPT, NEW)

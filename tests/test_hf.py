@@ -208,3 +208,31 @@ def test_missing_or_misshapen_tensor_is_named(tmp_path):
     save_file({**tensors, name: tensors[name][:, :32]}, tmp_path / "model.safetensors")
     with pytest.raises(ConfigError, match=rf"tensor '{name}' has shape \(128, 32\), expected \(128, 64\)"):
         one_device_params(config)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mha_tied"])
+def test_hf_to_jaxpar_to_hf_is_bit_identical(tmp_path, variant):
+    """Import, then write back without training: every tensor equals the original bit for bit (a tied
+    checkpoint comes back with lm_head = the embedding, written untied)."""
+    from safetensors.numpy import load_file
+
+    make_hf_model(tmp_path / "in", variant)
+    config = config_for(tmp_path / "in")
+    hf_llama.write(one_device_params(config), config.model, tmp_path / "out")
+    original = load_file(tmp_path / "in" / "model.safetensors")
+    written = {}
+    for shard in sorted((tmp_path / "out").glob("model-*.safetensors")):
+        written.update(load_file(shard))
+    if "lm_head.weight" not in original:
+        original["lm_head.weight"] = original["model.embed_tokens.weight"]
+    assert sorted(written) == sorted(original)
+    for name, tensor in original.items():
+        assert written[name].dtype == tensor.dtype and np.array_equal(written[name], tensor), name
+
+
+def test_a_missing_shard_is_named(tmp_path):
+    make_hf_model(tmp_path, "gqa", shard=True)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(ConfigError, match=f"names shard {shard.name}, which is not in"):
+        one_device_params(config_for(tmp_path))
