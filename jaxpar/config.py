@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.parallel import zero
 
 REPO_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
@@ -586,8 +585,11 @@ def _validate_pipeline(config: Config) -> None:
     _require(config.train.grad_accum == 1, f"train.grad_accum={config.train.grad_accum} with mesh.pp={mesh.pp}: "
                                            f"the pipeline's microbatches accumulate gradients; set "
                                            f"pipeline.microbatches instead and train.grad_accum=1")
-    refusal = zero.pipeline_refusal(config.zero.stage, mesh.pp)
-    _require(refusal is None, refusal)
+    if config.zero.stage >= 3:  # (imported here: config is checked before JAX is imported)
+        from jaxpar.parallel.zero import pipeline_refusal
+
+        refusal = pipeline_refusal(config.zero.stage, mesh.pp)
+        _require(refusal is None, refusal)
     _validate_virtual_stages(config)
     _require(not (pipe.schedule == "zb" and pipe.stage_recompute),
              "pipeline.schedule=zb keeps each chunk's residuals for its weight-gradient (W) slot; "
