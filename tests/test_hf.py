@@ -112,9 +112,18 @@ def test_both_config_layouts_and_sharded_files_import_alike(tmp_path, legacy_lay
     assert_logits_close(jaxpar_logits(config, one_device_params(config), tokens), hf_logits(model, tokens))
 
 
-def test_loss_on_dp2_pp2_tp2_zero1_equals_transformers(tmp_path):
+@pytest.mark.parametrize("layout,stage,remat", [
+    ((2, 2, 2), 1, "none"),  # the layout: pipeline x tp x ZeRO-1
+    ((4, 1, 2), 3, "full"),  # ZeRO-3 with its prefetching layer scan
+    ((2, 1, 4), 2, "none"),  # tp 4 over 2 KV heads: replicated KV projections
+])
+def test_loss_equals_transformers_on_parallel_layouts(tmp_path, layout, stage, remat):
+    from jaxpar.config import RematConfig
+
     model = make_hf_model(tmp_path, "gqa")
-    config = config_for(tmp_path, mesh=dict(dp=2, pp=2, tp=2), zero=dict(stage=1))
+    dp, pp, tp = layout
+    config = config_for(tmp_path, mesh=dict(dp=dp, pp=pp, tp=tp), zero=dict(stage=stage))
+    config = dataclasses.replace(config, remat=RematConfig(policy=remat))
     builder = builder_for(config)
     state = _fresh_state(builder)
     tokens = ids(batch=8, seq=SEQ + 1, seed=1)
@@ -154,9 +163,20 @@ def test_export_of_a_trained_run_loads_in_transformers(tmp_path, capsys):
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=2, lr=1e-2))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
     train(config, builder_for(config).mesh, run_dir, show_progress=False)
+    # as if the run's data had been tokenized with a tokenizers file: the export ships it
+    import tokenizers
+
+    vocab = {"</s>": 0, **{f"t{i}": i for i in range(1, 128)}}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="</s>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tok.json"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text(json.dumps({"tokenizer": str(tmp_path / "tok.json")}))
+    with_data = dataclasses.replace(config, data=dataclasses.replace(config.data, train=str(tmp_path / "data")))
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(with_data)))
     assert export.main(["--workdir", str(run_dir), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == (tmp_path / "tok.json").read_text()
 
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     single = export.single_device(config)
