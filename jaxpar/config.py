@@ -212,7 +212,10 @@ class DebugConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    """ZeRO-Offload: keep the optimizer state (and the fp32 master weights) in pinned host memory."""
+    """Optimizer-state offload: keep the optimizer state (and the fp32 master weights) in pinned host
+    memory between steps. Unlike DeepSpeed's ZeRO-Offload, the Adam step does not run on the CPU: the
+    state is moved to the device for the update and back (it saves memory between steps, not during the
+    update)."""
 
     optimizer: bool = False
     master_weights: bool = True  # with optimizer=true and precision=bf16: the fp32 master goes to host too

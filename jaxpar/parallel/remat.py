@@ -7,7 +7,7 @@ else is recomputed. Policies are built from the `checkpoint_name` tags in the mo
 | policy      | kept for backward                                                     | recomputed                      |
 |-------------|-----------------------------------------------------------------------|---------------------------------|
 | `none`      | everything                                                            | nothing                         |
-| `dots`      | every matmul output, attention scores and probabilities included      | norms, RoPE, softmax, SwiGLU    |
+| `dots`      | every matmul output (the attention scores QK^T and the weighted values too) | norms, RoPE, softmax probabilities, SwiGLU |
 | `selective` | linear-layer outputs (Megatron's selective recompute)                 | core attention (QK^T, softmax, xV), norms, RoPE, SwiGLU |
 | `offload`   | as `selective`, but the kept tensors wait in pinned host memory       | as `selective`                  |
 | `full`      | only each layer's input                                               | the whole layer                 |

@@ -3,7 +3,9 @@
 Why a table: every device runs the same program (one shard_map, no per-stage branches: divergent
 collectives deadlock, see docs/design.md), so the pipeline is a scan over ticks in which each device
 reads its own column of a [ticks, stages] table. The one table drives jaxpar.parallel.pipeline, the
-bubble figure and scripts/plot_schedule.py, so the three cannot disagree.
+bubble figure and scripts/plot_schedule.py, so for 1F1B, interleaved and zero-bubble the three cannot
+disagree. GPipe is the exception: its table's forward half drives the forward scans, but its
+backward is JAX's transpose of them, which the table's backward half only describes.
 
 A tick has up to four slots, run in this order on every device: forward (F), loss (L, meaningful on
 the last stage only), backward (B) and weight gradient (W, zero-bubble only). A kind costs time in a
