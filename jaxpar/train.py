@@ -40,6 +40,17 @@ def ensure_writable(workdir: pathlib.Path) -> None:
         raise ConfigError(f"--workdir {workdir} is not writable; pass a writable directory")
 
 
+def launch_process_index(process_id: int | None) -> int:
+    """This process's index, known before JAX starts: --process_id, else SLURM's task index when SLURM
+    launched several tasks (jax.distributed auto-detects the same), else JAX_PROCESS_ID, else 0. Only
+    process 0 generates demo data and announces; the others wait for it."""
+    if process_id is not None:
+        return process_id
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return int(os.environ.get("SLURM_PROCID", "0"))
+    return int(os.environ.get("JAX_PROCESS_ID", "0"))
+
+
 def run(argv: list[str]) -> int:
     from jaxpar.config import load_config, pipeline_warning, to_dict
 
@@ -53,12 +64,12 @@ def run(argv: list[str]) -> int:
     if not args.dry_run:  # data mistakes, like config ones, surface before JAX starts
         from jaxpar.data.demo import check_paths, ensure_demo_data
 
-        ensure_demo_data(config, is_primary=not args.process_id)
+        ensure_demo_data(config, is_primary=launch_process_index(args.process_id) == 0)
         check_paths(config)
 
     from jaxpar.xla_flags import apply_gpu_bundle
 
-    is_first = not args.process_id and os.environ.get("SLURM_PROCID", "0") == "0"
+    is_first = launch_process_index(args.process_id) == 0
     apply_gpu_bundle(announce=print if is_first else None)  # before any JAX backend starts: XLA reads it once
     from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
 

@@ -216,3 +216,40 @@ def test_dry_run_report(tmp_path):
     assert per_device["params"] > 0 and per_device["peak"] >= per_device["params"]
     assert report["compile_s"] > 0
     assert not (workdir / "metrics.jsonl").exists()  # a dry run trains nothing
+
+
+@pytest.mark.parametrize("env,flag,expected", [
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, None, 2),  # SLURM auto-detection: the flag is not given
+    ({"SLURM_NTASKS": "1", "SLURM_PROCID": "3"}, None, 0),  # one SLURM task: a single-process run
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}, 1, 1),  # an explicit --process_id wins
+    ({"JAX_PROCESS_ID": "1"}, None, 1),
+    ({}, None, 0),
+])
+def test_process_index_is_known_before_jax_starts(monkeypatch, env, flag, expected):
+    """Issue 18: under SLURM every process used to think it was primary and generate the demo data."""
+    from jaxpar.train import launch_process_index
+
+    for key in ("SLURM_NTASKS", "SLURM_PROCID", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launch_process_index(flag) == expected
+
+
+def test_only_process_zero_generates_demo_data_under_slurm(monkeypatch, tmp_path):
+    from jaxpar import train
+    from jaxpar.data import demo
+
+    calls = []
+
+    def fake_ensure(config, is_primary=True):
+        calls.append(is_primary)
+        raise SystemExit(0)  # stop before JAX starts
+
+    monkeypatch.setattr(demo, "ensure_demo_data", fake_ensure)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for procid in ("1", "0"):
+        monkeypatch.setenv("SLURM_PROCID", procid)
+        with pytest.raises(SystemExit):
+            train.run(["--config", "llama_tiny.py", "--workdir", str(tmp_path / procid)])
+    assert calls == [False, True]
