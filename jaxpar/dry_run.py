@@ -25,7 +25,7 @@ from jaxpar.models import llama, vit
 from jaxpar.metrics import model_flops_per_step
 from jaxpar.parallel.step import VISION_KEYS, StepBuilder
 from jaxpar.planner.cost import bubble_fraction
-from jaxpar.sharding import llm_rules, tree_specs, unused_mesh_axes
+from jaxpar.sharding import tree_specs, unused_mesh_axes
 
 def bytes_by_memory_kind(tree) -> dict[str, int]:
     """Per-device bytes of a tree of sharded ShapeDtypeStructs, grouped by sharding.memory_kind."""

@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxpar import generate as gen  # noqa: E402
-from jaxpar.config import ModelConfig  # noqa: E402
 from jaxpar.layers.collectives import Collectives  # noqa: E402
 from jaxpar.models import decode, llama  # noqa: E402
 from test_hf import make_hf_model  # noqa: E402

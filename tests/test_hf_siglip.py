@@ -82,16 +82,13 @@ def test_features_equal_transformers_with_tensor_parallel_biases(tmp_path):
 
 
 def test_vla_starts_from_llama_and_siglip(tmp_path):
-    from test_hf import make_hf_model
-
     make_siglip(tmp_path / "siglip")
     llm_dir = tmp_path / "llama"
     torch.manual_seed(0)
     hf_llm = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=10000.0))
-    hf_llm.save_pretrained(llm_dir)
-    assert make_hf_model  # (the Llama import itself is tested in test_hf.py)
+    hf_llm.save_pretrained(llm_dir)  # (the Llama import itself is tested in test_hf.py)
     config = load_config("vla_tiny", [f"init.llm_from_hf={llm_dir}", f"init.vision_from_hf={tmp_path / 'siglip'}",
                                       "vision.film=false"])
     assert config.vision.bias and config.model.n_layers == 4
