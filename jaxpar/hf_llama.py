@@ -93,19 +93,26 @@ def model_fields(directory: str | pathlib.Path) -> dict:
     return fields
 
 
+def with_section_from_checkpoint(config: Config, section: str, fields: dict, directory) -> Config:
+    """`config` with `section`.* (model or vision) set to a checkpoint's `fields`. A field the user set
+    to something other than its default that disagrees is a one-line error naming it. (A field set
+    explicitly to its default value cannot be told from an unset one and takes the checkpoint's.)"""
+    current = getattr(config, section)
+    defaults = type(current)()
+    for name, value in fields.items():
+        mine = getattr(current, name)
+        if mine != value and mine != getattr(defaults, name):
+            raise ConfigError(f"{section}.{name}={mine} disagrees with {directory}/config.json ({value}); "
+                              f"drop the override ({section}.* comes from the checkpoint)")
+    return dataclasses.replace(config, **{section: dataclasses.replace(current, **fields)})
+
+
 def with_model_from_hf(config: Config) -> Config:
-    """`config` with model.* taken from init.from_hf's config.json. A model field the user set to
-    something else (not left at its default) is a one-line error naming it."""
+    """`config` with model.* taken from init.from_hf's (or init.llm_from_hf's) config.json."""
     directory = config.init.llm_dir
     if not directory:
         return config
-    fields, defaults = model_fields(directory), ModelConfig()
-    for name, value in fields.items():
-        mine = getattr(config.model, name)
-        if mine != value and mine != getattr(defaults, name):
-            raise ConfigError(f"model.{name}={mine} disagrees with {directory}/config.json ({value}); "
-                              f"drop the override (model.* comes from the checkpoint)")
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, **fields))
+    return with_section_from_checkpoint(config, "model", model_fields(directory), directory)
 
 
 # ----------------------------------------------------------------------------- reading safetensors

@@ -22,7 +22,6 @@ the part that needs streaming (jaxpar.hf_llama).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from jaxpar.config import Config, VisionConfig
 from jaxpar.errors import ConfigError
-from jaxpar.hf_llama import SafetensorsReader
+from jaxpar.hf_llama import SafetensorsReader, with_section_from_checkpoint
 
 PREFIX = "vision_model."
 LAYER = "encoder.layers.{}."
@@ -60,17 +59,11 @@ def vision_fields(directory: str | pathlib.Path) -> dict:
 
 
 def with_vision_from_hf(config: Config) -> Config:
-    """`config` with vision.* taken from init.vision_from_hf's config.json; a vision field set to
-    something other than its default that disagrees is a one-line error."""
-    if not config.init.vision_from_hf:
+    """`config` with vision.* taken from init.vision_from_hf's config.json (conflicts: one line)."""
+    directory = config.init.vision_from_hf
+    if not directory:
         return config
-    fields, defaults = vision_fields(config.init.vision_from_hf), VisionConfig()
-    for name, value in fields.items():
-        mine = getattr(config.vision, name)
-        if mine != value and mine != getattr(defaults, name):
-            raise ConfigError(f"vision.{name}={mine} disagrees with {config.init.vision_from_hf}/config.json "
-                              f"({value}); drop the override (vision.* comes from the checkpoint)")
-    return dataclasses.replace(config, vision=dataclasses.replace(config.vision, **fields))
+    return with_section_from_checkpoint(config, "vision", vision_fields(directory), directory)
 
 
 def load_vision(directory: str | pathlib.Path, cfg: VisionConfig) -> dict:

@@ -54,7 +54,7 @@ class Evaluator:
             image_tokens, _ = b.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
                                                vla.instruction_ids(batch, self.config))
         llm = {k: v for k, v in params.items() if k not in VISION_KEYS}
-        if b.dp_axis and not b.gathers_weights:  # typed as in training (see StepBuilder)
+        if b.dp_axis and not b.zero.gathers_weights:  # typed as in training (see StepBuilder)
             llm = jax.lax.pcast(llm, (DP,), to="varying")
         text = {k: v for k, v in batch.items() if k != "images"}
         if self.mesh.shape["pp"] > 1:  # the forward slots of the training table (its chunk order)

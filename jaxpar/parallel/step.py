@@ -93,7 +93,6 @@ class StepBuilder:
         self.dp_axis = DP if mesh.shape[DP] > 1 else None  # no dp collectives at all when dp == 1
         self.zero = ZeroPlan(self.stage, mesh.shape[DP], mesh.shape["pp"] > 1, config.remat.policy,
                              config.zero.prefetch)
-        self.gathers_weights, self.taps_grads = self.zero.gathers_weights, self.zero.taps_grads
         self.batch_spec = P(self.dp_axis, None)  # [batch, seq]: batch over dp
 
     # ------------------------------------------------------------------ state layout
@@ -204,14 +203,14 @@ class StepBuilder:
     def collectives(self) -> Collectives:
         tp = tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None
         return Collectives(tp_axis=tp, sequence_axis=tp if self.config.mesh.sequence_parallel else None,
-                           zero3_axis=DP if self.gathers_weights else None,
-                           zero2_axis=DP if self.taps_grads else None, zero3_prefetch=self.zero.prefetches,
+                           zero3_axis=DP if self.zero.gathers_weights else None,
+                           zero2_axis=DP if self.zero.taps_grads else None, zero3_prefetch=self.zero.prefetches,
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
                            kv_heads_replicated=self.replicates_kv and tp is not None)
 
     def remat_policy(self):
         """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""
-        return remat.layer_policy(self.config.remat.policy, regathers_weights=self.gathers_weights)
+        return remat.layer_policy(self.config.remat.policy, regathers_weights=self.zero.gathers_weights)
 
     def _reduce_grads_over_dp(self, grads):
         """The LLM's one gradient reduction over dp. ZeRO-3's gathers and ZeRO-2's grad taps already
@@ -243,12 +242,12 @@ class StepBuilder:
         """
         cfg, accum = self.config.model, self.config.train.grad_accum
         coll, policy = self.collectives(), self.remat_policy()
-        if self.dp_axis and not self.gathers_weights:  # local gradients per dp rank; reduced explicitly below
+        if self.dp_axis and not self.zero.gathers_weights:  # local gradients per dp rank; reduced explicitly below
             params = jax.lax.pcast(params, (DP,), to="varying")
         if self.mesh.shape["pp"] > 1:
             return self._pipelined_loss_and_grads(params, batch, image_tokens, token_count, coll, policy)
 
-        if self.taps_grads:  # the taps' values are never used, only their shape and type
+        if self.zero.taps_grads:  # the taps' values are never used, only their shape and type
             frozen, dp = jax.lax.stop_gradient(params), self.mesh.shape[DP]
             params = jax.tree.map(lambda w, axes: jax.lax.slice_in_dim(w, 0, w.shape[zero_dim(axes)] // dp,
                                                                        axis=zero_dim(axes)), frozen, self.axes)
