@@ -3,7 +3,7 @@
 A checkpoint stores global arrays (orbax writes each process's shards of the global array), so it
 restores onto any other valid (dp, pp, tp, zero.stage): the target shardings come from the new
 layout's abstract state; with interleaved pipeline stages the stacked layers are stored in their
-devices' order, recorded in the metadata and moved on restore. Next to the state it stores, as JSON, the step, the data iterator's state
+devices' order, recorded in the metadata and moved on restore. Next to the state it stores, as JSON, the step, a VLA's action range (quantile bins), the data iterator's state
 (jaxpar.data.pipeline: grain's position, or the synthetic data's step) and the model shape, checked
 on restore. Orbax writes each step into a temporary directory and renames it when complete, so a
 process killed mid-save leaves the previous checkpoint as the latest readable one.
@@ -57,6 +57,13 @@ def fingerprint_mismatch(saved: dict, config: Config) -> str | None:
     return None
 
 
+def _action_range(config: Config) -> dict | None:
+    """A VLA's per-dimension action range when its bins split the data's quantiles (else None):
+    the tokens the weights were trained on mean nothing without it."""
+    act = config.actions
+    return {"q01": list(act.q01), "q99": list(act.q99)} if config.model.kind == "vla" and act.q01 else None
+
+
 def _stored_layer_order(config: Config) -> list[int] | None:
     """The order of the stacked layers in this run's state (interleaved pipelines store them by device)."""
     order = layer_order(config.model.n_layers, config.mesh.pp, config.pipeline.virtual_stages)
@@ -100,7 +107,7 @@ class Checkpointer:
         """Start an asynchronous save of `state` after optimizer step `step`, with the data iterator's
         state at that point (the next batch to read); training goes on."""
         meta = {"step": step, "data": data_state, "layer_order": _stored_layer_order(self.config),
-                **_model_fingerprint(self.config)}
+                "action_range": _action_range(self.config), **_model_fingerprint(self.config)}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -113,6 +120,11 @@ class Checkpointer:
         if mismatch:
             raise ConfigError(f"checkpoint {self.directory / str(step)} was written for a different {mismatch}; "
                               f"use a fresh --workdir or the original settings")
+        saved_range, wanted_range = meta.get("action_range"), _action_range(self.config)
+        if saved_range and wanted_range and saved_range != wanted_range:
+            raise ConfigError(f"checkpoint {self.directory / str(step)} was trained with action bins between "
+                              f"q01={saved_range['q01']} and q99={saved_range['q99']}, not {wanted_range}; set "
+                              f"actions.q01 / q99 to the checkpoint's or use a fresh --workdir")
         restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         state = _to_layer_order(restored["state"], meta.get("layer_order"), _stored_layer_order(self.config),
                                 abstract_state)

@@ -14,6 +14,7 @@ exits at once.
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import signal
 import statistics
@@ -21,11 +22,12 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxpar.attention_choice import resolve_attention
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import Config, profile_steps
+from jaxpar.config import Config, has_evaluation, profile_steps
 from jaxpar.errors import ConfigError
 from jaxpar.data.pipeline import eval_data, train_data
 from jaxpar.metrics import MetricsWriter, mfu, model_flops_per_step, peak_flops_per_device
@@ -42,22 +44,44 @@ class TrainingStopped(RuntimeError):
 
 
 class Preemption:
-    """First SIGTERM / SIGINT: ask the loop to checkpoint and stop. Second: the default behaviour."""
+    """SIGTERM / SIGINT: checkpoint and stop, at a step every process agrees on.
+
+    One process: the first signal sets a flag the loop reads after each step; a second signal has
+    its default effect. Several processes: a signal may reach them at different moments (a cluster
+    preempts one node first), and a process that leaves the loop alone hangs the others in the
+    next collective. JAX's distributed runtime has a preemption sync manager for this: it catches
+    SIGTERM itself, tells the coordination service, and `reached_preemption_sync_point(step)`
+    becomes true on every process at the same step (the largest step any process had reached,
+    plus one). So with several processes SIGTERM is left to it, and SIGINT is turned into a SIGTERM
+    of this process so that Ctrl-C takes the same agreed path."""
 
     def __init__(self):
         self.requested = False
         self._previous = {}
+        self._agreed = jax.process_count() > 1
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        signals = (signal.SIGINT,) if self._agreed else (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
+        if self._agreed:  # the sync manager's SIGTERM handler is the one that counts
+            signal.signal(signum, self._previous[signum])
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if self.requested:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
         self.requested = True
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to checkpoint and stop after `step`; the same answer on every process. Call it
+        after every step (the sync manager counts on it)."""
+        if self._agreed and multihost_utils.reached_preemption_sync_point(step):
+            self.requested = True
+        return self.requested
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -83,7 +107,7 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
                         unit="step", desc=f"compiled in {time.perf_counter() - compile_start:.1f}s; training")
         logger = StepLogger(MetricsWriter(workdir, enabled=is_main, resume_after=start), progress, config, builder,
                             mesh.size, start)
-        evaluation = Evaluation(config, builder, logger) if config.data.eval else None
+        evaluation = Evaluation(config, builder, logger) if has_evaluation(config) else None
         profiler = StepProfiler(profile_steps(config), workdir, announce=tqdm.write if is_main else lambda _: None)
         with Preemption() as preemption:
             try:
@@ -95,7 +119,7 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
                 logger.writer.close()
     finally:
         checkpoints.close()  # waits for every started save to be durable
-    if preemption.requested:
+    if preemption.requested and is_main:
         print(f"preempted: checkpoint of step {step} written to {checkpoints.directory}")
     return logger.records
 
@@ -107,7 +131,7 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
     run reached train.steps, an evaluation of it."""
     step, saved, every, steps = start, start, config.checkpoint.every, config.train.steps
     try:
-        while step < steps and not preemption.requested:
+        while step < steps and not preemption.should_stop(step):
             profiler.before(step + 1, state)
             with profiler.annotate(step + 1):
                 state, metrics = step_fn(state, data.next_batch())
@@ -156,50 +180,94 @@ def _fresh_state(builder: StepBuilder):
 def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):
     """The latest readable checkpoint, restored onto this layout; a fresh start only if there is none.
 
-    An unreadable checkpoint (corrupted after it was completed) is skipped, saying so, for the one
-    before it; if none can be read the run stops rather than silently starting over.
+    A checkpoint that cannot be read (corrupted after it was completed: a file error or undecodable
+    bytes) is moved aside, saying so, and the one before it is tried; if none can be read the run
+    stops rather than silently starting over. Any other failure (out of memory during a resharded
+    restore, a bug) propagates: the checkpoint is fine and must not be moved. With several
+    processes the verdict is agreed (a checkpoint one process cannot read is skipped by all) and
+    only process 0 moves it.
     """
     steps = checkpoints.all_steps()
     if not steps:
         return _fresh_state(builder), 0, None
+    is_main = jax.process_index() == 0
     for step in sorted(steps, reverse=True):
+        state, error = None, None
         try:
             state, step, data_state = checkpoints.restore(builder.abstract_state(), step)
         except ConfigError:
             raise
-        except Exception as err:  # noqa: BLE001 - any read failure means: try the previous checkpoint
-            moved = checkpoints.quarantine(step) if jax.process_index() == 0 else None
-            print(f"warning: checkpoint of step {step} is unreadable ({type(err).__name__}); moved it to "
-                  f"{moved} and trying the previous one")
-            continue
-        print(f"resuming from step {step} ({checkpoints.directory})")
-        return state, step, data_state
+        except Exception as err:  # noqa: BLE001 - sorted below: unreadable, or propagated
+            if not is_unreadable(err):
+                raise
+            error = err
+        if not _agreed_unreadable(error is not None):
+            if is_main:
+                print(f"resuming from step {step} ({checkpoints.directory})")
+            return state, step, data_state
+        moved = checkpoints.quarantine(step) if is_main else None
+        if is_main:
+            reason = type(error).__name__ if error is not None else "unreadable on another process"
+            print(f"warning: checkpoint of step {step} is unreadable ({reason}); moved it to {moved} and trying "
+                  f"the previous one")
     raise ConfigError(f"no readable checkpoint in {checkpoints.directory}; move it away or use a fresh --workdir")
 
 
+def is_unreadable(err: BaseException) -> bool:
+    """Whether a restore failed because the checkpoint's files cannot be read (missing, truncated,
+    undecodable: OSError, or the ValueError / KeyError that orbax and tensorstore raise for bad
+    bytes), not because of memory or anything else."""
+    text = str(err)
+    if isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return False
+    return isinstance(err, (OSError, ValueError, KeyError, EOFError))
+
+
+def _agreed_unreadable(here: bool) -> bool:
+    """True on every process when any process found the checkpoint unreadable."""
+    if jax.process_count() == 1:
+        return here
+    return bool(np.any(multihost_utils.process_allgather(np.array([here], np.int32))))
+
+
 class Evaluation:
-    """Held-out metrics every eval.every steps and at train.steps, written to metrics.jsonl."""
+    """Held-out metrics (data.eval, or data.eval_episodes held out of a LeRobot data.train) and
+    closed-loop rollouts (eval.rollouts) every eval.every steps and at train.steps, written to
+    metrics.jsonl."""
 
     def __init__(self, config: Config, builder: StepBuilder, logger: "StepLogger"):
         self.config, self.logger = config, logger
         self.data = eval_data(config, builder.batch_sharding())
-        self.step_fn = Evaluator(builder).jit_eval_step()
+        self.step_fn = Evaluator(builder).jit_eval_step() if self.data is not None else None
+        self.rollouts = None
+        if config.eval.rollouts:
+            from jaxpar.rollout import TrainingRollouts
+
+            self.rollouts = TrainingRollouts(config, builder)
 
     def due(self, step: int) -> bool:
         every = self.config.eval.every
         return bool(every and step % every == 0)
 
     def run(self, step: int, params) -> dict:
+        record = {"step": step}
+        if self.data is not None:
+            record.update(self._held_out_metrics(params))
+        if self.rollouts is not None:
+            record.update(self.rollouts.run(params))
+        self.logger.write_eval(record)
+        return record
+
+    def _held_out_metrics(self, params) -> dict:
         totals = {}
         for batch in self.data:  # summed on the host in float64: token counts stay exact
             for key, value in jax.device_get(self.step_fn(params, batch)).items():
                 totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64)
         sums = {k: v.tolist() for k, v in totals.items()}
-        record = {"step": step, **metrics_from_sums(sums, self.data.bytes_per_token)}
+        metrics = metrics_from_sums(sums, self.data.bytes_per_token)
         if self.data.unigram_bits_per_byte is not None:
-            record["unigram_bits_per_byte"] = self.data.unigram_bits_per_byte
-        self.logger.write_eval(record)
-        return record
+            metrics["unigram_bits_per_byte"] = self.data.unigram_bits_per_byte
+        return metrics
 
 
 class StepLogger:

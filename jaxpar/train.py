@@ -64,8 +64,11 @@ def run(argv: list[str]) -> int:
     if not args.dry_run:  # data mistakes, like config ones, surface before JAX starts
         from jaxpar.data.demo import check_paths, ensure_demo_data
 
+        from jaxpar.data.normalization import resolve_action_range
+
         ensure_demo_data(config, is_primary=launch_process_index(args.process_id) == 0)
         check_paths(config)
+        config = resolve_action_range(config, workdir, is_primary=launch_process_index(args.process_id) == 0)
 
     from jaxpar.xla_flags import apply_gpu_bundle
 
@@ -113,7 +116,7 @@ def summary(records: list[dict]) -> str:
     """'step N, loss L' of the last train record, and the last evaluation's metrics if there was one."""
     last = [r for r in records if "loss" in r][-1]
     text = f"step {last['step']}, loss {last['loss']:.4f}"
-    evals = [r for r in records if "eval_loss" in r]
+    evals = [r for r in records if any(k.startswith("eval_") for k in r)]
     if evals:
         text += ", " + ", ".join(f"{k} {v:.4f}" for k, v in evals[-1].items() if isinstance(v, float))
     return text

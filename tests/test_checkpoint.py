@@ -152,6 +152,27 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, c
         train(longer, builder_for(longer).mesh, tmp_path, show_progress=False)
 
 
+def test_a_restore_that_runs_out_of_memory_propagates_and_moves_nothing(tmp_path, monkeypatch):
+    """Only unreadable files make a checkpoint 'unreadable': an out-of-memory error during a
+    (resharded) restore is the layout's problem, not the checkpoint's, and must not cost it."""
+    from jaxpar import loop
+    from jaxpar.checkpoint import Checkpointer
+
+    config = with_checkpoints(make_config(steps=2), every=2)
+    train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=3))
+
+    def out_of_memory(self, abstract_state, step=None):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.2GiB")
+
+    monkeypatch.setattr(Checkpointer, "restore", out_of_memory)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        train(longer, builder_for(longer).mesh, tmp_path, show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+    assert loop.is_unreadable(FileNotFoundError("state/array_metadatas")) and loop.is_unreadable(ValueError("bad"))
+    assert not loop.is_unreadable(MemoryError()) and not loop.is_unreadable(TypeError("a bug"))
+
+
 def test_two_processes_train_like_one(tmp_path):
     """scripts/launch_local.sh: 2 JAX processes x 4 emulated devices (gloo over loopback) == 1 x 8."""
     common = ["--config", "llama_tiny", "--config.train.steps=3"]
@@ -165,6 +186,34 @@ def test_two_processes_train_like_one(tmp_path):
     assert two.stdout.count("done: step 3") == 1  # only process 0 reports
     np.testing.assert_allclose([r["loss"] for r in logged(tmp_path / "two")],
                                [r["loss"] for r in logged(tmp_path / "one")], rtol=1e-6)
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_then_resumes(tmp_path):
+    """A cluster may preempt one node first: the processes agree on the step to stop at (JAX's
+    preemption sync point), both exit 0 after one checkpoint of that step, and the run resumes from
+    it. Without the agreement the signalled process leaves the loop alone and the other hangs in
+    its next collective (the test then times out)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "launch_local.sh")
+    workdir = tmp_path / "run"
+    launch = subprocess.Popen(["bash", script, "2", "--config", "llama_tiny", "--workdir", str(workdir),
+                               "--config.train.log_every=1", "--config.train.steps=100000"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHON": sys.executable, "JAXPAR_PORT": str(21000 + os.getpid() % 9000)},
+                              start_new_session=True)
+    metrics, deadline = workdir / "metrics.jsonl", time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.5)
+    second = subprocess.run(["pgrep", "-f", f"{workdir} .*--process_id 1"], capture_output=True, text=True)
+    os.kill(int(second.stdout.split()[0]), signal.SIGTERM)  # process 1 only
+    out, err = launch.communicate(timeout=240)
+    assert launch.returncode == 0, err[-2000:]
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and out.count(f"preempted: checkpoint of step {saved[0]}") == 1
+    assert err.count(f"Reached preemption sync point, step={saved[0]}") >= 2  # each process, the same step
+    resume = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", "llama_tiny", "--workdir",
+                             str(workdir), f"--config.train.steps={saved[0] + 1}"],
+                            capture_output=True, text=True, timeout=300)
+    assert resume.returncode == 0 and f"resuming from step {saved[0]}" in resume.stdout, resume.stderr[-2000:]
 
 
 def test_kill_9_during_async_saves_leaves_a_readable_checkpoint(tmp_path):

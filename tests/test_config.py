@@ -39,6 +39,8 @@ OTHER_KEYS = {
     "model.rope_scaling_factor": float, "model.rope_low_freq_factor": float, "model.rope_high_freq_factor": float,
     "model.rope_original_max_len": int, "vision.bias": bool,
     "model.attention": str, "vision.attention": str, "profile.steps": str,
+    "actions.normalization": str, "actions.q01": tuple[float, ...], "actions.q99": tuple[float, ...],
+    "data.cameras": tuple[str, ...], "data.eval_episodes": int, "eval.rollouts": int, "data.demo_format": str,
 }
 
 
@@ -116,6 +118,38 @@ def test_later_override_wins():
 def test_parse_value_types(text, field_type, expected):
     value = parse_value(text, field_type, "some.key")
     assert value == expected and type(value) is field_type
+
+
+def test_list_keys_take_comma_separated_values_and_lists_from_a_file():
+    assert parse_value("-1.5, 2,3e-1", tuple[float, ...], "actions.q01") == (-1.5, 2.0, 0.3)
+    assert parse_value("", tuple[str, ...], "data.cameras") == ()
+    config = load_config("vla_tiny", ["data.cameras=observation.images.top,observation.images.wrist"])
+    assert config.data.cameras == ("observation.images.top", "observation.images.wrist")
+    with pytest.raises(ConfigError, match="actions.q01=one: expected a comma-separated list of floats"):
+        parse_value("one", tuple[float, ...], "actions.q01")
+    with pytest.raises(ConfigError, match="'actions.q01' must be a list of floats"):
+        from_dict(Config, {"actions": {"q01": 0.5}})
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actions.normalization=minmax"], "actions.normalization='minmax' is unknown"),
+    (["actions.normalization=quantile", "actions.q01=0,0,0"], "3 / 0 values for actions.dims=7"),
+    (["actions.normalization=bounds", "actions.q01=0,0,0,0,0,0,0", "actions.q99=1,1,1,1,1,1,1"],
+     "normalization=bounds"),
+    (["actions.q01=0,0,0,0,0,0,2", "actions.q99=1,1,1,1,1,1,1"], "q01 must be <= actions.q99"),
+    (["data.eval_episodes=5"], "both name held-out data"),
+    (["data.eval_episodes=-1"], "must be >= 0"),
+])
+def test_action_range_and_held_out_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("vla_tiny", overrides)
+
+
+def test_rollouts_and_cameras_need_a_vla():
+    with pytest.raises(ConfigError, match="eval.rollouts runs the VLA"):
+        load_config("llama_tiny", ["eval.rollouts=4"])
+    with pytest.raises(ConfigError, match="data.cameras picks a VLA's cameras"):
+        load_config("llama_tiny", ["data.cameras=a"])
 
 
 @pytest.mark.parametrize("text,field_type,type_word", [

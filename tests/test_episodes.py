@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxpar.data.episodes import (COLOURS, DONE_MARKER, EFFECTOR, TABLE, EpisodeSource, expert_action, make_episode,
-                                  make_scene, render, write_split, write_splits)
+                                  make_scene, read_scene_keys, render, write_split, write_splits,
+                                  SCENES_FILE)
 from jaxpar.errors import ConfigError
 
 NAME_OF = {rgb: name for name, rgb in COLOURS.items()}
@@ -138,10 +139,11 @@ def test_write_split_is_deterministic_in_its_seed(tmp_path):
     assert write_split(tmp_path / "b", 6, seed=7, **shape) == keys and len(keys) == 6
     write_split(tmp_path / "c", 6, seed=8, **shape)
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert names == [DONE_MARKER] + [f"episode_{i:05d}.npz" for i in range(6)]
+    assert names == [DONE_MARKER] + [f"episode_{i:05d}.npz" for i in range(6)] + [SCENES_FILE]
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == names
+    assert read_scene_keys(tmp_path / "a") == keys  # the recorded scenes are the ones written
     differs = False
-    for name in names[1:]:
+    for name in names[1:-1]:
         with np.load(tmp_path / "a" / name) as a, np.load(tmp_path / "b" / name) as b, \
                 np.load(tmp_path / "c" / name) as c:
             for key in ("images", "instruction", "actions"):

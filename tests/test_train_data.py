@@ -88,15 +88,25 @@ def run_cli(*args, cwd):
 
 
 def test_vla_tiny_generates_its_data_on_first_use_and_evaluates(tmp_path):
+    """The shipped demo with data.demo_format=lerobot: its data written as a LeRobot v3.0 dataset on
+    first use, read back through the LeRobot reader (action bins from its stats.json), with held-out
+    metrics and closed-loop rollouts at each evaluation."""
     proc = run_cli("--config", REPO / "configs" / "vla_tiny.py", "--config.train.steps=4", "--config.eval.every=2",
-                   "--config.train.log_every=1", "--workdir", tmp_path / "run", cwd=tmp_path)
+                   "--config.train.log_every=1", "--config.eval.rollouts=16", "--config.data.demo_format=lerobot",
+                   "--config.data.train=data/vla_tiny_lerobot/train", "--config.data.eval=data/vla_tiny_lerobot/heldout",
+                   "--workdir", tmp_path / "run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(list((tmp_path / "data" / "vla_tiny" / "train").glob("episode_*.npz"))) == 4000
-    assert not list((tmp_path / "data" / "vla_tiny").glob("*.partial-*"))
+    data = tmp_path / "data" / "vla_tiny_lerobot"
+    info = json.loads((data / "train" / "meta" / "info.json").read_text())
+    assert info["codebase_version"] == "v3.0" and info["total_episodes"] == 4000
+    assert not list(data.glob("*.partial-*"))
     evals = [r for r in metrics(tmp_path / "run") if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
-    assert {"eval_action_accuracy", "eval_action_l1", "eval_action_accuracy_by_dim"} <= set(evals[-1])
-    assert "eval_action_accuracy" in proc.stdout  # the summary line
+    assert {"eval_action_accuracy", "eval_action_l1", "eval_action_accuracy_by_dim", "eval_success_rate",
+            "eval_steps_to_success"} <= set(evals[-1])
+    assert "eval_action_accuracy" in proc.stdout and "success_rate" in proc.stdout  # the summary line
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["actions"]  # bins from stats.json
+    assert saved["normalization"] == "quantile" and saved["q01"][:2] == [-1.0, -1.0] and saved["q99"][2:6] == [0.0] * 4
 
 
 @pytest.mark.parametrize("key", ["train", "eval"])

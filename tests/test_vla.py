@@ -25,11 +25,27 @@ def test_action_tokens_round_trip_and_sit_at_the_end_of_the_vocabulary():
     tokens = tokenizer.bins_to_tokens(bins)
     assert tokens.min() == BASE.model.vocab_size - BASE.actions.bins and tokens.max() == BASE.model.vocab_size - 1
     np.testing.assert_array_equal(tokenizer.tokens_to_bins(tokens), bins)
-    np.testing.assert_array_equal(tokenizer.to_bins(tokenizer.from_bins(bins)), bins)  # centres map back
+    per_dim = np.repeat(bins[:, None], BASE.actions.dims, axis=1)  # [bins, dims]: every bin of every dim
+    np.testing.assert_array_equal(tokenizer.to_bins(tokenizer.from_bins(per_dim)), per_dim)  # centres map back
     actions = np.random.default_rng(0).uniform(-1, 1, (100, 7))
     width = (BASE.actions.high - BASE.actions.low) / BASE.actions.bins
     assert np.abs(tokenizer.from_bins(tokenizer.to_bins(actions)) - actions).max() <= width / 2 + 1e-9
-    assert tokenizer.to_bins(np.array([-5.0, 5.0])).tolist() == [0, BASE.actions.bins - 1]  # clipped
+    clipped = tokenizer.to_bins(np.array([[-5.0] * 7, [5.0] * 7]))
+    assert clipped[:, 0].tolist() == [0, BASE.actions.bins - 1]
+
+
+def test_quantile_ranges_are_per_dimension_and_a_fixed_dimension_decodes_to_its_value():
+    """Each dim's bins split its own [q01, q99]; a dim with q01 == q99 (a padded dim) takes the
+    middle bin and decodes to exactly its value, whatever it is given."""
+    q01, q99 = (-2.0, 0.0, 0.5, 3.0), (2.0, 10.0, 0.5, 3.0)
+    cfg = dataclasses.replace(BASE.actions, dims=4, bins=8, normalization="quantile", q01=q01, q99=q99)
+    tokenizer = vla.ActionTokenizer(cfg, BASE.model.vocab_size)
+    actions = np.array([[-2.0, 0.0, 0.5, 3.0], [1.9, 9.9, 7.0, -4.0], [0.1, 5.1, 0.5, 3.0]])
+    bins = tokenizer.to_bins(actions)
+    assert bins.tolist() == [[0, 0, 4, 4], [7, 7, 4, 4], [4, 4, 4, 4]]
+    decoded = tokenizer.from_bins(bins)
+    np.testing.assert_allclose(decoded[:, 2:], [[0.5, 3.0]] * 3)  # fixed dims: their one value
+    np.testing.assert_allclose(decoded[:, :2], [[-1.75, 0.625], [1.75, 9.375], [0.25, 5.625]])  # bin centres
 
 
 def test_loss_mask_covers_exactly_the_action_tokens():

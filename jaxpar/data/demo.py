@@ -1,7 +1,8 @@
 """The demo data a config can ask for with data.generate=true, made on first use.
 
 llama: Python's own standard library sources (every machine with Python has them), byte-tokenized,
-5% of the files held out. vla: the procedural task of jaxpar.data.episodes, shaped by the config.
+5% of the files held out. vla: the procedural task of jaxpar.data.episodes, shaped by the config, as jaxpar episodes or
+(data.demo_format=lerobot) as a LeRobot v3.0 dataset (jaxpar.data.lerobot_write).
 Each split is written into a temporary directory and renamed into place when complete, so an
 interrupted generation is never mistaken for data; with several processes, process 0 generates and
 the others wait for the directories to appear.
@@ -30,10 +31,12 @@ def stdlib_dir() -> pathlib.Path:
 def _generate(config: Config, train: pathlib.Path, heldout: pathlib.Path) -> None:
     if config.model.kind == "vla":
         from jaxpar.data.episodes import write_splits
+        from jaxpar.data.lerobot_write import write_lerobot_splits
 
         v, act = config.vision, config.actions
-        write_splits(train, VLA_EPISODES["train"], VLA_EPISODES["heldout"], heldout_dir=heldout, size=v.image_size,
-                     grid=v.image_size // v.patch_size, dims=act.dims, cameras=v.cameras)
+        write = write_lerobot_splits if config.data.demo_format == "lerobot" else write_splits
+        write(train, VLA_EPISODES["train"], VLA_EPISODES["heldout"], heldout_dir=heldout, size=v.image_size,
+              grid=v.image_size // v.patch_size, dims=act.dims, cameras=v.cameras)
     else:
         from jaxpar.data.text import prepare_text
 

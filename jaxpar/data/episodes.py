@@ -32,6 +32,7 @@ from jaxpar.errors import ConfigError
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 210, 40),
            "magenta": (200, 50, 200), "cyan": (40, 200, 210)}
 TABLE, EFFECTOR = (110, 110, 110), (255, 255, 255)
+SCENES_FILE = "scenes.jsonl"
 DONE_MARKER = "COMPLETE"  # written last by write_split: a directory without it is a partial generation
 CACHE_EPISODES = 16384  # decompressed episodes kept per source (the demo task: 4000, 12 MB)
 
@@ -72,10 +73,11 @@ def scene_key(squares, target: int) -> str:
 def make_episode(rng: np.random.Generator, squares, target: int, size: int = 16, grid: int = 4, steps: int = 8,
                  dims: int = 7, cameras: int = 1) -> dict:
     """One demonstration: from a random start until the step on the square (gripper closing), at
-    most `steps` steps."""
+    most `steps` steps. "start" is the effector's first cell (the scene record of scenes.jsonl)."""
     colour, row, col = squares[target]
     goal = np.array([row, col])
     effector = rng.integers(0, grid, 2)
+    start = [int(effector[0]), int(effector[1])]
     images, actions = [], []
     for _ in range(steps):
         frame = render(size, grid, squares, (int(effector[0]), int(effector[1])))
@@ -84,33 +86,73 @@ def make_episode(rng: np.random.Generator, squares, target: int, size: int = 16,
         if np.array_equal(effector, goal):
             break
         effector = effector + np.sign(goal - effector)  # one cell per axis towards the goal
-    return {"images": np.stack(images), "instruction": f"move to the {colour} square", "actions": np.stack(actions)}
+    return {"images": np.stack(images), "instruction": f"move to the {colour} square", "actions": np.stack(actions),
+            "start": start}
+
+
+def check_task_shape(episodes: int, exclude_count: int, objects: int, size: int, grid: int, dims: int) -> None:
+    """One-line errors for a task that cannot be drawn as asked."""
+    if size % grid or grid < 2 or objects > min(len(COLOURS), grid * grid):
+        raise ConfigError(f"cannot draw {objects} squares on a {grid}x{grid} grid of a {size}-pixel image; the "
+                          f"image size must be a multiple of the grid, grid >= 2, objects <= {len(COLOURS)}")
+    if dims < 3:
+        raise ConfigError(f"action dims={dims}: the task needs 2 move dims and a gripper: dims >= 3")
+    available = math.comb(len(COLOURS), objects) * math.perm(grid * grid, objects) * objects
+    if episodes > available - exclude_count:
+        raise ConfigError(f"{episodes} episodes asked for, but a {grid}x{grid} grid with {objects} squares has only "
+                          f"{available} distinct scenes ({exclude_count} excluded); use a larger grid or fewer episodes")
+
+
+def iter_split(episodes: int, seed: int, exclude: set[str] = frozenset(), objects: int = 3, **shape):
+    """(scene key, episode) for `episodes` distinct scenes not in `exclude`, drawn from `seed`: the
+    one generator behind every on-disk format (npz here, LeRobot in jaxpar.data.lerobot_write)."""
+    check_task_shape(episodes, len(exclude), objects, shape.get("size", 16), shape.get("grid", 4),
+                     shape.get("dims", 7))  # now, not at the first next(): nothing is written for a bad shape
+    return _draw_episodes(episodes, seed, exclude, objects, **shape)
+
+
+def _draw_episodes(episodes: int, seed: int, exclude: set[str], objects: int, **shape):
+    rng, written = np.random.default_rng(seed), set()
+    while len(written) < episodes:
+        squares, target = make_scene(rng, shape.get("grid", 4), objects)
+        key = scene_key(squares, target)
+        if key in exclude or key in written:
+            continue
+        episode = make_episode(rng, squares, target, **shape)
+        episode["scene"] = {"squares": [list(s) for s in squares], "target": target, "start": episode.pop("start")}
+        written.add(key)
+        yield key, episode
+
+
+def write_scenes(directory: pathlib.Path, scenes: list[dict]) -> None:
+    """scenes.jsonl: each episode's scene (squares, target, start cell), so closed-loop evaluation
+    (jaxpar.rollout) can draw scenes the train split never showed."""
+    with open(directory / SCENES_FILE, "w") as f:
+        for scene in scenes:
+            f.write(json.dumps(scene) + "\n")
+
+
+def read_scene_keys(directory: pathlib.Path) -> set[str] | None:
+    """The scene keys a split recorded in scenes.jsonl (None when it has none)."""
+    path = pathlib.Path(directory) / SCENES_FILE
+    if not path.is_file():
+        return None
+    scenes = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {scene_key([tuple(s) for s in scene["squares"]], scene["target"]) for scene in scenes}
 
 
 def write_split(directory: pathlib.Path, episodes: int, seed: int, exclude: set[str] = frozenset(),
                 objects: int = 3, **shape) -> set[str]:
     """Write `episodes` episodes of distinct scenes not in `exclude`; returns the scenes written."""
-    size, grid = shape.get("size", 16), shape.get("grid", 4)
-    if size % grid or grid < 2 or objects > min(len(COLOURS), grid * grid):
-        raise ConfigError(f"cannot draw {objects} squares on a {grid}x{grid} grid of a {size}-pixel image; the "
-                          f"image size must be a multiple of the grid, grid >= 2, objects <= {len(COLOURS)}")
-    if shape.get("dims", 7) < 3:
-        raise ConfigError(f"action dims={shape['dims']}: the task needs 2 move dims and a gripper: dims >= 3")
-    available = math.comb(len(COLOURS), objects) * math.perm(grid * grid, objects) * objects
-    if episodes > available - len(exclude):
-        raise ConfigError(f"{episodes} episodes asked for, but a {grid}x{grid} grid with {objects} squares has only "
-                          f"{available} distinct scenes ({len(exclude)} excluded); use a larger grid or fewer episodes")
+    generator = iter_split(episodes, seed, exclude, objects, **shape)
     directory.mkdir(parents=True, exist_ok=True)
-    rng, written = np.random.default_rng(seed), set()
-    while len(written) < episodes:
-        squares, target = make_scene(rng, grid, objects)
-        key = scene_key(squares, target)
-        if key in exclude or key in written:
-            continue
-        episode = make_episode(rng, squares, target, **shape)
-        np.savez_compressed(directory / f"episode_{len(written):05d}.npz", images=episode["images"],
+    written, scenes = set(), []
+    for index, (key, episode) in enumerate(generator):
+        np.savez_compressed(directory / f"episode_{index:05d}.npz", images=episode["images"],
                             instruction=np.array(episode["instruction"]), actions=episode["actions"])
         written.add(key)
+        scenes.append(episode["scene"])
+    write_scenes(directory, scenes)
     (directory / DONE_MARKER).write_text(f"{episodes}\n")
     return written
 

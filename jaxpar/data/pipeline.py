@@ -67,14 +67,38 @@ def episode_batch(config: Config, records: dict, with_values: bool = False) -> d
     return batch
 
 
-def make_source(config: Config, directory: str):
-    """The grain source for `directory`, checked against the model it feeds."""
-    if config.model.kind == "vla":
+def make_source(config: Config, directory: str, split: str = "train"):
+    """The grain source for `directory`, checked against the model it feeds. A LeRobot dataset is
+    recognised by its meta/info.json; with data.eval_episodes its episodes are split into train and
+    held-out ones by train.seed (`split` picks which)."""
+    if config.model.kind != "vla":
+        return TokenSource(directory, config.train.seq_len, config.model.vocab_size)
+    from jaxpar.data.lerobot import LeRobotSource, is_lerobot
+
+    if is_lerobot(directory):
+        source = LeRobotSource(directory, config.actions.instruction_len, config.vision.image_size,
+                               cameras=config.data.cameras or None)
+        if config.data.eval_episodes:
+            source = source.subset(held_out_split(config, source.episode_indices)[split])
+    else:
+        if config.data.cameras or config.data.eval_episodes:
+            raise ConfigError(f"data.cameras and data.eval_episodes are for LeRobot datasets; {directory} holds "
+                              f"jaxpar episodes (all cameras, in order; held out in their own data.eval directory)")
         source = EpisodeSource(directory, config.actions.instruction_len)
-        _check_episode_shapes(config, source)
-        source.check_instructions()
-        return source
-    return TokenSource(directory, config.train.seq_len, config.model.vocab_size)
+    _check_episode_shapes(config, source)
+    source.check_instructions()
+    return source
+
+
+def held_out_split(config: Config, episodes: list[int]) -> dict[str, list[int]]:
+    """{"train": ..., "eval": ...}: data.eval_episodes of `episodes` drawn by train.seed are held out."""
+    from jaxpar.data.lerobot import split_episodes
+
+    if config.data.eval_episodes >= len(episodes):
+        raise ConfigError(f"data.eval_episodes={config.data.eval_episodes} leaves no training episode of the "
+                          f"{len(episodes)} in {config.data.train}; hold out fewer")
+    train, held_out = split_episodes(episodes, config.data.eval_episodes, config.train.seed)
+    return {"train": train, "eval": held_out}
 
 
 def _check_episode_shapes(config: Config, source: EpisodeSource) -> None:
@@ -152,11 +176,13 @@ class EvalData:
     def __init__(self, config: Config, sharding):
         self.config, self.sharding = config, sharding
         self.global_batch = config.train.global_batch_size
-        self.source = make_source(config, config.data.eval)
+        self.source = (make_source(config, config.data.eval) if config.data.eval
+                       else make_source(config, config.data.train, split="eval"))
         available = len(self.source) // self.global_batch
         if available == 0:
-            raise ConfigError(f"{config.data.eval} holds {len(self.source)} held-out examples, fewer than one "
-                              f"global batch of {self.global_batch}; add held-out data or lower the batch size")
+            where = config.data.eval or f"data.eval_episodes={config.data.eval_episodes}"
+            raise ConfigError(f"{where} holds {len(self.source)} held-out examples, fewer than one global batch of "
+                              f"{self.global_batch}; add held-out data or lower the batch size")
         self.batches = min(available, config.eval.batches or available)
         shard, shards = process_shard(sharding, self.global_batch)
         dataset = grain.MapDataset.source(self.source)[:self.batches * self.global_batch]
@@ -180,4 +206,4 @@ def train_data(config: Config, sharding):
 
 
 def eval_data(config: Config, sharding) -> EvalData | None:
-    return EvalData(config, sharding) if config.data.eval else None
+    return EvalData(config, sharding) if config.data.eval or config.data.eval_episodes else None

@@ -18,18 +18,26 @@ from jaxpar.models import llama, vit
 
 
 class ActionTokenizer:
-    """bins <-> vocabulary ids, and continuous values <-> bins (bin centres on decode)."""
+    """bins <-> vocabulary ids, and continuous values [..., dims] <-> bins (bin centres on decode).
+
+    Each dim's range (ActionConfig.bin_range: [low, high], or the data's [q01, q99]) is split into
+    `bins` even bins; values outside it land in the end bins. A dim that never varies (low == high,
+    e.g. a padded action dim) always takes the middle bin and decodes to its one value."""
 
     def __init__(self, cfg: ActionConfig, vocab_size: int):
         self.cfg, self.first_id = cfg, vocab_size - cfg.bins
+        low, high = cfg.bin_range()
+        self.low, self.high = np.asarray(low, np.float64), np.asarray(high, np.float64)
+        self.fixed = self.high <= self.low
+        self.width = np.where(self.fixed, 0.0, (self.high - self.low) / cfg.bins)
 
     def to_bins(self, actions: np.ndarray) -> np.ndarray:
-        scaled = (np.clip(actions, self.cfg.low, self.cfg.high) - self.cfg.low) / (self.cfg.high - self.cfg.low)
-        return np.minimum((scaled * self.cfg.bins).astype(np.int32), self.cfg.bins - 1)
+        scaled = (np.clip(actions, self.low, self.high) - self.low) / np.where(self.fixed, 1.0, self.high - self.low)
+        bins = np.minimum((scaled * self.cfg.bins).astype(np.int32), self.cfg.bins - 1)
+        return np.where(self.fixed, self.cfg.bins // 2, bins).astype(np.int32)
 
     def from_bins(self, bins: np.ndarray) -> np.ndarray:
-        width = (self.cfg.high - self.cfg.low) / self.cfg.bins
-        return self.cfg.low + (np.asarray(bins) + 0.5) * width
+        return self.low + (np.asarray(bins) + 0.5) * self.width  # a fixed dim: width 0, its one value
 
     def bins_to_tokens(self, bins: np.ndarray) -> np.ndarray:
         return (np.asarray(bins) + self.first_id).astype(np.int32)
@@ -80,8 +88,10 @@ def eval_sums(config: Config, token_loss_BxS: jax.Array, pred_BxS: jax.Array, ba
     act, first_id = config.actions, config.model.vocab_size - config.actions.bins
     targets = batch["targets"]
     is_action_BxS = (targets >= first_id).astype(jnp.float32)
-    width = (act.high - act.low) / act.bins
-    decoded_BxS = act.low + (jnp.clip(pred_BxS - first_id, 0, act.bins - 1) + 0.5) * width
+    tokenizer = ActionTokenizer(act, config.model.vocab_size)
+    low_S, width_S = np.zeros(targets.shape[1], np.float32), np.zeros(targets.shape[1], np.float32)
+    low_S[-act.dims:], width_S[-act.dims:] = tokenizer.low, tokenizer.width  # the action targets are the last dims
+    decoded_BxS = low_S + (jnp.clip(pred_BxS - first_id, 0, act.bins - 1) + 0.5) * width_S
     return {**llama.eval_sums(token_loss_BxS, pred_BxS, batch), "action_tokens": jnp.sum(is_action_BxS),
             "action_correct": jnp.sum((pred_BxS == targets) * is_action_BxS),
             "action_abs_err": jnp.sum(jnp.abs(decoded_BxS - batch["values"]) * is_action_BxS),
