@@ -1,7 +1,8 @@
 """Training a VLA on LeRobot datasets through the CLI: both layouts (v2.1, v3.0, written by the
 outside-reference writers of tests/test_lerobot.py), cameras picked by data.cameras, an episode held
 out by data.eval_episodes, and the action bins between the data's quantiles, kept in config.json
-and in every checkpoint and used again on resume."""
+and in every checkpoint and used again on resume. v2.1 training and the resume test are `slow`
+(the v2.1 reader is covered frame by frame in tests/test_lerobot.py)."""
 
 import json
 import subprocess
@@ -31,7 +32,7 @@ def train_cli(workdir, data, steps=STEPS, extra=()):
     return subprocess.run(args, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("version,writer", [("v2.1", write_v21), ("v3.0", write_v30)])
+@pytest.mark.parametrize("version,writer", [pytest.param("v2.1", write_v21, marks=pytest.mark.slow), ("v3.0", write_v30)])
 def test_a_vla_trains_on_a_lerobot_dataset(tmp_path, version, writer):
     data = tmp_path / "data"
     data.mkdir()
@@ -55,6 +56,7 @@ def test_a_vla_trains_on_a_lerobot_dataset(tmp_path, version, writer):
     np.testing.assert_allclose(saved["q99"], np.quantile(actions, 0.99, axis=0) + shift, rtol=1e-6)
 
 
+@pytest.mark.slow  # three CLI starts; the range's checkpoint check is also what every resume runs
 def test_resume_keeps_the_bins_its_checkpoints_were_trained_with(tmp_path):
     """The data's statistics change between runs (a re-exported dataset): the resumed run keeps the
     range of its checkpoints rather than re-binning under trained weights."""
