@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama_tiny.py --workdir runs/llama_tiny
 
-## The test suite (48 minutes on 2 cores, fresh clone, 2026-12-01; tests marked `slow` are excluded: `make test-slow` runs them).
+## The test suite (53 minutes on 2 cores, fresh clone, 2026-12-01; tests marked `slow` are excluded: `make test-slow` runs them).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
