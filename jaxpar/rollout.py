@@ -67,11 +67,13 @@ def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = 
     return result
 
 
-def model_policy(config, weights):
+def model_policy(config, weights, predict=None, place=None):
     """A VLA's greedy actions as a policy: images scaled to [0, 1] and instruction bytes as the
     training pipeline feeds them, action tokens de-tokenised to bin centres. `weights`: a dict as
     jaxpar.export.restore_weights returns (host numpy: put on the default device once) or jax arrays
-    already placed, in model layer order. The decoder is jitted once; each batch size compiles once."""
+    already placed, in model layer order. The decoder is jitted once; each batch size compiles once.
+    The training loop passes its own jitted `predict` (replicated outputs) and `place` (host arrays
+    -> global arrays) to run on the training layout (TrainingRollouts)."""
     import jax
 
     from jaxpar.models import decode, vla
@@ -80,12 +82,13 @@ def model_policy(config, weights):
         raise ConfigError(f"rollouts need a VLA; this config is a {config.model.kind}")
     if not all(isinstance(w, jax.Array) for w in jax.tree.leaves(weights)):
         weights = jax.device_put(weights, jax.devices()[0])
-    predict = jax.jit(decode.predict_actions, static_argnums=3)
+    predict = predict or jax.jit(decode.predict_actions, static_argnums=3)
+    place = place or (lambda array: array)
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
 
     def policy(images: np.ndarray, instructions: np.ndarray) -> np.ndarray:
-        pixels = np.asarray(images).astype(np.float32) / 255.0
-        tokens = np.asarray(predict(weights, pixels, np.asarray(instructions).astype(np.int32), config)[0])
+        pixels = place(np.asarray(images).astype(np.float32) / 255.0)
+        tokens = np.asarray(predict(weights, pixels, place(np.asarray(instructions).astype(np.int32)), config)[0])
         return np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(tokens)), np.float32)
 
     return policy
@@ -222,7 +225,7 @@ class TrainingRollouts:
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from jaxpar.models import decode, vla
+        from jaxpar.models import decode
 
         exclude, self.note = train_scenes(config)
         grid = config.vision.image_size // config.vision.patch_size
@@ -232,7 +235,6 @@ class TrainingRollouts:
         self.max_steps = 2 * self.shape.grid
         self.replicated = NamedSharding(builder.mesh, PartitionSpec())
         self.predict = jax.jit(decode.predict_actions, static_argnums=3, out_shardings=self.replicated)
-        self.tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
 
     def _global(self, array: np.ndarray):
         """The same host array on every process -> one replicated global array."""
@@ -248,14 +250,7 @@ class TrainingRollouts:
 
     def rollout(self, params) -> dict:
         """run_rollouts' result for the training state's params, as they are laid out."""
-        weights = self.builder.to_model_order(params)
-
-        def policy(images: np.ndarray, instructions: np.ndarray) -> np.ndarray:
-            pixels = self._global(np.asarray(images, np.float32) / 255.0)
-            ids = self._global(np.asarray(instructions, np.int32))
-            tokens = np.asarray(self.predict(weights, pixels, ids, self.config)[0])
-            return np.asarray(self.tokenizer.from_bins(self.tokenizer.tokens_to_bins(tokens)), np.float32)
-
+        policy = model_policy(self.config, self.builder.to_model_order(params), self.predict, self._global)
         return run_rollouts(policy, self.scenes, self.max_steps, self.shape, self.config.actions.instruction_len)
 
 
