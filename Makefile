@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow dry-run plan bench-gpu clean
+.PHONY: run test test-slow test-learning dry-run plan bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama_tiny.py --workdir runs/llama_tiny
 
-## The test suite (53 minutes on 2 cores, fresh clone, 2026-12-01; tests marked `slow` are excluded: `make test-slow` runs them).
+## The test suite, in 2 worker processes (pytest-xdist; TEST_JOBS=1 for one); tests marked `slow` are excluded: `make test-slow` runs them.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadscope
 
 ## Compile llama7b for 8 emulated devices and report memory and collectives.
 dry-run: $(STAMP)
@@ -27,6 +28,10 @@ dry-run: $(STAMP)
 ## Tests marked slow: the proof-of-learning runs (minutes each).
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+## The proof-of-learning runs (llama_tiny and vla_tiny as shipped; slow tests, about 15 minutes): CI runs them after `make test`.
+test-learning: $(STAMP)
+	$(BIN)/python -m pytest -q -s -m slow tests/test_learning.py
 
 ## Analytic memory / step-time plan and layout recommendation (no compile).
 plan: $(STAMP)

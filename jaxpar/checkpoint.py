@@ -12,6 +12,7 @@ process killed mid-save leaves the previous checkpoint as the latest readable on
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import time
 
@@ -100,8 +101,26 @@ class Checkpointer:
         """Move an unreadable checkpoint aside (never delete work) so later saves can use its step."""
         target = self.directory / f"{step}.unreadable.{int(time.time())}"
         (self.directory / str(step)).rename(target)
-        self.manager.reload()
+        self.reload()
         return target
+
+    def reload(self) -> None:
+        """Re-read which steps exist (after another process moved one aside)."""
+        self.manager.reload()
+
+    def check_readable(self, step: int) -> None:
+        """Raise OSError / ValueError if this process sees step `step`'s files damaged, without reading
+        the arrays and without any collective (orbax's restore has cross-process barriers, so a process
+        that fails inside it while the others wait there would hang them): every file opens, and the
+        small JSON metadata orbax needs first parses. Run by every process before a restore; the
+        verdict is agreed (jaxpar.loop)."""
+        root = self.directory / str(step)
+        for name in ("_CHECKPOINT_METADATA", "meta/metadata", "state/_METADATA"):
+            json.loads((root / name).read_bytes())
+        for path in root.rglob("*"):
+            if path.is_file():
+                with open(path, "rb"):
+                    pass
 
     def save(self, step: int, state, data_state: dict | None = None) -> None:
         """Start an asynchronous save of `state` after optimizer step `step`, with the data iterator's

@@ -259,6 +259,19 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    """JAX's persistent compilation cache (jaxpar.train.enable_compilation_cache): a restarted or resumed
+    run loads its compiled programs instead of compiling them again. `cache_dir` is the directory
+    ("~" is expanded; a relative path is relative to the working directory); "" turns the cache off.
+    Training only (a --dry_run always compiles: it measures the compilation). A JAX_COMPILATION_CACHE_DIR
+    set in the environment wins over this key. With several processes every process reads the
+    directory and only JAX process 0 writes it, so a multi-node job needs a directory every node sees
+    (a shared filesystem); on a node-local directory only process 0's restarts are faster."""
+
+    cache_dir: str = "~/.cache/jaxpar/xla"  # per user; delete it at any time, it only costs a recompile
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     mesh: MeshConfig = MeshConfig()
     zero: ZeroConfig = ZeroConfig()
@@ -280,6 +293,7 @@ class Config:
     hardware: HardwareConfig = HardwareConfig()
     profile: ProfileConfig = ProfileConfig()
     init: InitConfig = InitConfig()
+    compile: CompileConfig = CompileConfig()
 
 
 # ----------------------------------------------------------------------------- loading

@@ -16,8 +16,9 @@ Works on both texts JAX gives us:
 Replica groups come as explicit `{{0,4},{1,5}}`, iota `[4,2]<=[2,4]T(1,0)` or (partitioner
 collectives in optimized programs) mesh axes `mesh['axis_0'=2,'axis_1'=4] {'axis_0'}`, see
 _mesh_replica_groups.  Device ids are the program's logical ids: positions in the jit's device
-assignment, i.e. the mesh's flat device order (axis_label / permute_axis compare them with
-Device.id, which is the same thing for meshes built in jax.devices() order).
+assignment, i.e. the mesh's flat device order, whatever the devices' own `Device.id` (a mesh built
+over several processes, or in a topology order, lists devices out of id order); axis_label and
+permute_axis read them as mesh positions.
 Note: XLA:CPU widens bf16 collectives to f32 in the optimized program (their
 reducer is renamed ``*_promoted``); the pre-optimization HLO keeps bf16, so use
 it when the report should show the dtype the model asked for.
@@ -222,7 +223,8 @@ def _mesh_replica_groups(text: str) -> list[list[int]]:
 
 
 def _mesh_ids(mesh) -> np.ndarray:
-    return np.vectorize(lambda d: d.id, otypes=[int])(np.asarray(mesh.devices))
+    """The program's logical device id at each mesh position: its flat index (not `Device.id`)."""
+    return np.arange(mesh.devices.size).reshape(mesh.devices.shape)
 
 
 def axis_label(groups: list[list[int]], mesh) -> str:

@@ -184,33 +184,50 @@ def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):
     bytes) is moved aside, saying so, and the one before it is tried; if none can be read the run
     stops rather than silently starting over. Any other failure (out of memory during a resharded
     restore, a bug) propagates: the checkpoint is fine and must not be moved. With several
-    processes the verdict is agreed (a checkpoint one process cannot read is skipped by all) and
-    only process 0 moves it.
+    processes every verdict is agreed (a checkpoint one process cannot read is skipped by all) and
+    only process 0 moves it. The files are checked before the restore, without collectives, because
+    orbax's restore waits in cross-process barriers: a process failing inside it alone would leave
+    the others waiting there (until orbax's barrier timeout ends the run, moving nothing).
     """
     steps = checkpoints.all_steps()
     if not steps:
         return _fresh_state(builder), 0, None
-    is_main = jax.process_index() == 0
     for step in sorted(steps, reverse=True):
-        state, error = None, None
-        try:
-            state, step, data_state = checkpoints.restore(builder.abstract_state(), step)
-        except ConfigError:
-            raise
-        except Exception as err:  # noqa: BLE001 - sorted below: unreadable, or propagated
-            if not is_unreadable(err):
-                raise
-            error = err
+        _, error = _unless_unreadable(lambda: checkpoints.check_readable(step))
         if not _agreed_unreadable(error is not None):
-            if is_main:
-                print(f"resuming from step {step} ({checkpoints.directory})")
-            return state, step, data_state
-        moved = checkpoints.quarantine(step) if is_main else None
-        if is_main:
-            reason = type(error).__name__ if error is not None else "unreadable on another process"
-            print(f"warning: checkpoint of step {step} is unreadable ({reason}); moved it to {moved} and trying "
-                  f"the previous one")
+            restored, error = _unless_unreadable(lambda: checkpoints.restore(builder.abstract_state(), step))
+            if not _agreed_unreadable(error is not None):
+                if jax.process_index() == 0:
+                    print(f"resuming from step {step} ({checkpoints.directory})")
+                return restored
+        _move_aside(checkpoints, step, error)
     raise ConfigError(f"no readable checkpoint in {checkpoints.directory}; move it away or use a fresh --workdir")
+
+
+def _unless_unreadable(attempt):
+    """(attempt()'s result, None), or (None, the error) if it found the checkpoint unreadable;
+    ConfigError and any other failure raise."""
+    try:
+        return attempt(), None
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - sorted here: unreadable, or propagated
+        if not is_unreadable(err):
+            raise
+        return None, err
+
+
+def _move_aside(checkpoints: Checkpointer, step: int, error: BaseException | None) -> None:
+    """Process 0 moves the agreed-unreadable checkpoint aside and says why; every other process waits
+    for the move, then forgets the step too (else its next save of that step number is refused)."""
+    if jax.process_index() == 0:
+        moved = checkpoints.quarantine(step)
+        reason = type(error).__name__ if error is not None else "unreadable on another process"
+        print(f"warning: checkpoint of step {step} is unreadable ({reason}); moved it to {moved} and trying "
+              f"the previous one")
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"jaxpar: checkpoint {step} moved aside")
+        checkpoints.reload()
 
 
 def is_unreadable(err: BaseException) -> bool:
@@ -311,7 +328,8 @@ class StepLogger:
         self.writer.write(record)
         shown = ", ".join(f"{k[5:] if k.startswith('eval_') else k} {v:.4f}" for k, v in record.items()
                           if isinstance(v, float))
-        tqdm.write(f"eval at step {record['step']}: {shown}")
+        if self.writer.enabled:  # process 0 says it
+            tqdm.write(f"eval at step {record['step']}: {shown}")
 
     def _check_spike(self, record: dict) -> None:
         warning = self.spikes.observe(record["step"], record["loss"])

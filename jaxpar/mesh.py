@@ -2,6 +2,12 @@
 
 Axis order is (dp, pp, tp): tp is the fastest-varying axis, so on GPUs the tp group is a set of
 neighbouring devices inside one NVLink node (Megatron's "TP inside a node" rule), pp next, dp outermost.
+With several processes (one per node) the grid comes from `mesh_utils.create_hybrid_device_mesh`,
+processes as the slow-network granules: each axis is split into a part inside a process and a part
+across processes, filled innermost-first (tp, then pp, then dp), so a tp group stays inside one node
+whenever tp divides a node's devices and dp is the axis that crosses nodes. This does not depend on
+the order `jax.devices()` lists devices in. On one process `jax.make_mesh` orders the devices (on
+GPUs by their global id; on CPUs as listed).
 
 Axis types are Auto on purpose: jaxpar places every array with explicit NamedShardings and writes its
 collectives by hand inside `jax.shard_map`, so it needs no sharding-in-types propagation.
@@ -13,10 +19,13 @@ exactly as many CPU devices as the mesh needs (`jax_num_cpu_devices`); with GPUs
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import sys
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.errors import ConfigError
@@ -62,7 +71,8 @@ class Layout:
         return (self.dp, self.pp, self.tp)
 
     def make_mesh(self, devices=None) -> Mesh:
-        """Mesh over `devices` (default: the first `size` devices of the default backend)."""
+        """Mesh over `devices` (default: the default backend's devices; every one of them when they belong
+        to several processes, else the first `size`)."""
         if devices is None:
             devices = jax.devices()
         if len(devices) < self.size:
@@ -71,8 +81,38 @@ class Layout:
                 f"mesh dp x pp x tp = {self.dp} x {self.pp} x {self.tp} = {self.size} needs {self.size} devices "
                 f"but {len(devices)} {platform}devices are visible; shrink mesh.dp/pp/tp "
                 f"or use --dry_run to compile on emulated devices")
-        grid = np.asarray(devices[: self.size], dtype=object).reshape(self.shape)
-        return Mesh(grid, self.axis_names, axis_types=(AxisType.Auto,) * len(self.axis_names))
+        types = (AxisType.Auto,) * len(self.axis_names)
+        if len({d.process_index for d in devices}) > 1:
+            return Mesh(self._grid_over_processes(devices), self.axis_names, axis_types=types)
+        return jax.make_mesh(self.shape, self.axis_names, axis_types=types, devices=list(devices[: self.size]))
+
+    def _grid_over_processes(self, devices) -> np.ndarray:
+        """Device grid for a multi-process job: every process's devices, tp inside a process (see module doc)."""
+        processes = sorted({d.process_index for d in devices})
+        if len(devices) != self.size:
+            raise ConfigError(
+                f"mesh dp x pp x tp = {self.size} but the job's {len(processes)} processes hold {len(devices)} "
+                f"devices; on several processes the mesh must use every device: set mesh.dp/pp/tp to multiply "
+                f"to {len(devices)} or launch fewer processes")
+        inside, across = split_over_processes(self.shape, len(devices) // len(processes))
+        if math.prod(across[2:]) > 1 and jax.process_index() == 0:
+            print(f"note: tp={self.tp} is larger than a process's {len(devices) // len(processes)} devices or does "
+                  f"not divide them: tp all-reduces cross nodes", file=sys.stderr)
+        return mesh_utils.create_hybrid_device_mesh(inside, across, devices, process_is_granule=True)
+
+
+def split_over_processes(shape: tuple[int, ...], per_process: int) -> tuple[list[int], list[int]]:
+    """(inside, across) with inside[i] x across[i] == shape[i] and prod(inside) == per_process, filled from
+    the innermost axis out: the fastest axis (tp) gets the largest share of a process's devices."""
+    inside, left = [1] * len(shape), per_process
+    for axis in reversed(range(len(shape))):
+        inside[axis] = math.gcd(shape[axis], left)
+        left //= inside[axis]
+    if left != 1:
+        raise ConfigError(
+            f"mesh {' x '.join(map(str, shape))} cannot be laid out over processes of {per_process} devices "
+            f"each; make each process's device count divide tp, or tp divide it")
+    return inside, [size // part for size, part in zip(shape, inside)]
 
 
 def emulate_cpu_devices(count: int) -> None:

@@ -5,7 +5,7 @@
     python scripts/benchmarks.py step_time          # llama_tiny step-time ratios (alternating, one process)
     python scripts/benchmarks.py remat_memory       # llama7b dry-run bytes per remat policy and with optimizer offload
     python scripts/benchmarks.py remat_time         # llama_tiny step time per remat policy / offload vs none
-    python scripts/benchmarks.py checkpoint_time    # orbax save (blocking / total) and restore times
+    python scripts/benchmarks.py checkpoint_time    # orbax save (blocking / total), restore times, bytes on disk (du)
 """
 
 import dataclasses
@@ -24,6 +24,7 @@ from jaxpar.mesh import Layout  # noqa: E402
 from jaxpar.parallel.step import StepBuilder  # noqa: E402
 
 GB = 1e9
+MB = 1e6
 SEED_TABLE_2_3_GB = {0: 76, 1: 52, 2: 38, 3: 22}  # first seed article, table 2.3 (7B, 8 x A100)
 
 
@@ -114,8 +115,16 @@ def time_alternating(configs: dict, rounds: int = 30, steps_per_round: int = 3) 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def _describe(label, config):
+    """One stderr line naming the shapes a table was measured with (the configs change over time)."""
+    m, t = config.model, config.train
+    print(f"{label}: d_model {m.d_model}, {m.n_layers} layers, vocab {m.vocab_size}, d_ff {m.d_ff}, batch "
+          f"{t.global_batch_size} x {t.seq_len} tokens, {config.precision}", file=sys.stderr)
+
+
 def step_time():
     base = load_config("llama_tiny.py")
+    _describe("llama_tiny", base)
     dp_tp = time_alternating({"(1,1,1)": with_layout(base, stage=0),
                               "(2,1,4) zero1": with_layout(base, dp=2, tp=4, stage=1),
                               "(8,1,1) zero1": with_layout(base, dp=8, stage=1)})
@@ -162,14 +171,27 @@ def remat_time():
                                 train=dataclasses.replace(tiny.train, seq_len=256, global_batch_size=8))
     for label, base, rounds in (("llama_tiny", tiny, 30), ("llama_tiny widened: d_model 256, 4 layers, 8 x 256 tokens",
                                                            wider, 8)):
+        _describe(label, base)
         times = time_alternating(variants(base), rounds=rounds)
         print(f"\n{label}, mesh {base.mesh}\n\n| remat | median step (ms) | relative to none |\n|---|---|---|")
         for name, seconds in times.items():
             print(f"| {name} | {seconds * 1e3:.1f} | {seconds / times['none']:.2f} |")
 
 
+def _du(path) -> tuple[int, int]:
+    """Bytes of the checkpoint at `path` on disk: (allocated, `du -s --block-size=1`; apparent, `du -sb`)."""
+    import subprocess
+
+    def du(*flags):
+        return int(subprocess.run(["du", "-s", *flags, str(path)], capture_output=True, text=True,
+                                  check=True).stdout.split()[0])
+
+    return du("--block-size=1"), du("-b")
+
+
 def _checkpoint_times(config, workdir, steps=8):
-    """Seconds: (blocking part of an async save, save until durable, restore) and the step-time cost."""
+    """Bytes on disk of one durable checkpoint (measured), seconds (blocking part of an async save, save
+    until durable, restore) and the step-time cost of starting a save."""
     import pathlib
     import shutil
     import tempfile
@@ -177,6 +199,7 @@ def _checkpoint_times(config, workdir, steps=8):
     from jaxpar.checkpoint import Checkpointer
 
     step_fn, state, batch = compiled_step(config)
+    pathlib.Path(workdir).mkdir(exist_ok=True)
     root = pathlib.Path(tempfile.mkdtemp(dir=workdir))
     try:
         checkpoints = Checkpointer(root, config)
@@ -189,6 +212,7 @@ def _checkpoint_times(config, workdir, steps=8):
         blocking = time.perf_counter() - start
         checkpoints.wait()
         total = time.perf_counter() - start
+        on_disk = _du(checkpoints.directory / "100")
         plain, saving = [], []
         for i in range(steps):  # alternate: steps with and without a save starting alongside
             t = time.perf_counter()
@@ -204,7 +228,7 @@ def _checkpoint_times(config, workdir, steps=8):
         jax.block_until_ready(restored)
         restore = time.perf_counter() - start
         checkpoints.close()
-        return blocking, total, restore, statistics.median(saving) / statistics.median(plain)
+        return on_disk, blocking, total, restore, statistics.median(saving) / statistics.median(plain)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -215,14 +239,18 @@ def checkpoint_time():
     big = dataclasses.replace(big, model=dataclasses.replace(big.model, n_layers=1), mesh=dataclasses.replace(
         big.mesh, dp=1, tp=1), zero=dataclasses.replace(big.zero, stage=0),  # 8 emulated copies would not fit 24 GB
                               train=dataclasses.replace(big.train, global_batch_size=1, seq_len=128))
-    print("| state | bytes on disk (GB) | save, blocking (s) | save, until durable (s) | restore (s) | "
+    print("| state | params | state MB (computed: params x bytes per param) | on disk MB (measured: du -s of "
+          "one checkpoint step, allocated / apparent) | save, blocking (s) | save, until durable (s) | restore (s) | "
           "step time with a save starting / without |")
-    print("|---|---|---|---|---|---|")
-    for label, config in (("llama_tiny", tiny), ("llama7b shapes, 1 of 32 layers, 1 device", big)):
-        blocking, total, restore, ratio = _checkpoint_times(config, "runs")
+    print("|---|---|---|---|---|---|---|---|")
+    # steps: how many steps are timed, half of them starting a save (llama_tiny's are cheap: take more)
+    for label, config, steps in (("llama_tiny", tiny, 40), ("llama7b shapes, 1 of 32 layers, 1 device", big, 8)):
+        _describe(label, config)
+        on_disk, blocking, total, restore, ratio = _checkpoint_times(config, "runs", steps)
         params = sum(x.size for x in jax.tree.leaves(StepBuilder(config, mesh_for(config)).abstract_state().params))
-        state_bytes = params * (2 + 12 if config.precision == "bf16" else 4 + 8)
-        print(f"| {label} | {state_bytes / GB:.2f} | {blocking:.2f} | {total:.2f} | {restore:.2f} | {ratio:.2f} |")
+        per_param = 2 + 12 if config.precision == "bf16" else 4 + 8  # bf16 + fp32 master, m, v | fp32 + m, v
+        print(f"| {label} | {params:,} | {params * per_param / MB:,.2f} (x {per_param}) | {on_disk[0] / MB:,.2f} / "
+              f"{on_disk[1] / MB:,.2f} | {blocking:.2f} | {total:.2f} | {restore:.2f} | {ratio:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -214,6 +215,37 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_then_resume
                              str(workdir), f"--config.train.steps={saved[0] + 1}"],
                             capture_output=True, text=True, timeout=300)
     assert resume.returncode == 0 and f"resuming from step {saved[0]}" in resume.stdout, resume.stderr[-2000:]
+
+
+def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(tmp_path):
+    """Two processes restore the latest checkpoint (step 4); process 1 cannot read it, process 0 can.
+    They agree: both fall back to step 2, process 0 alone moves step 4 aside and says so once, and
+    the run continues 3, 4, 5 from step 2's weights. Without the agreement process 0 resumes at 4,
+    process 1 at 2, and the first collective hangs (the test times out)."""
+    common = ["--config", "llama_tiny", "--config.checkpoint.every=2", "--config.checkpoint.keep=5",
+              "--config.train.log_every=1"]
+    first = subprocess.run([sys.executable, "-m", "jaxpar.train", *common, "--config.train.steps=4",
+                            "--workdir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    losses = {r["step"]: r["loss"] for r in logged(tmp_path / "run")}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = os.path.join(os.path.dirname(__file__), "restore_fails_on_one_process.py")
+    procs = [subprocess.Popen([sys.executable, script, "4", *common, "--config.train.steps=5", "--workdir",
+                               str(tmp_path / "run"), "--coordinator_address", f"127.0.0.1:{port}",
+                               "--num_processes", "2", "--process_id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outs[1][1][-2000:]
+    out = outs[0][0] + outs[1][0]
+    assert out.count("checkpoint of step 4 is unreadable (unreadable on another process)") == 1, out
+    assert out.count("resuming from step 2") == 1, out
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4", "5"]
+    records = logged(tmp_path / "run")  # kept up to the restored step 2, then the resumed steps
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    # step 3's loss comes from step 2's restored weights (step 4's would also see the 5-step LR schedule)
+    np.testing.assert_allclose(records[2]["loss"], losses[3], rtol=1e-6)
 
 
 def test_kill_9_during_async_saves_leaves_a_readable_checkpoint(tmp_path):

@@ -41,6 +41,7 @@ OTHER_KEYS = {
     "model.attention": str, "vision.attention": str, "profile.steps": str,
     "actions.normalization": str, "actions.q01": tuple[float, ...], "actions.q99": tuple[float, ...],
     "data.cameras": tuple[str, ...], "data.eval_episodes": int, "eval.rollouts": int, "data.demo_format": str,
+    "compile.cache_dir": str,
 }
 
 
@@ -106,6 +107,20 @@ def test_overrides_leave_other_keys_from_the_file():
 
 def test_later_override_wins():
     assert load_config("llama_tiny", ["train.steps=3", "train.steps=4"]).train.steps == 4
+
+
+def test_compile_cache_dir_defaults_per_user_and_empty_turns_it_off(tmp_path):
+    """compile.cache_dir (jaxpar.train.enable_compilation_cache): "~" is kept in the config (and config.json)
+    and expanded at start; "" from the command line or a config file is the empty string, not a missing value."""
+    assert load_config("llama_tiny").compile.cache_dir == "~/.cache/jaxpar/xla"
+    assert load_config("llama_tiny", ["compile.cache_dir="]).compile.cache_dir == ""
+    assert load_config("llama_tiny", ["compile.cache_dir=/scratch/xla"]).compile.cache_dir == "/scratch/xla"
+    path = tmp_path / "no_cache.py"
+    path.write_text("def get_config():\n    return {'compile': {'cache_dir': ''}}\n")
+    assert load_config(str(path)).compile.cache_dir == ""
+    path.write_text("def get_config():\n    return {'compile': {'cache_dir': None}}\n")
+    with pytest.raises(ConfigError, match="config key 'compile.cache_dir' must be a str"):
+        load_config(str(path))
 
 
 # ----------------------------------------------------------------------------- parsing single values

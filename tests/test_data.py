@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tomllib
@@ -273,19 +274,20 @@ def test_prepare_text_with_a_local_sentencepiece_model(tmp_path):
     assert np.isfinite(meta["unigram_bits_per_byte"])
 
 
-def test_a_sentencepiece_model_without_an_eos_id_is_refused_or_gets_a_valid_separator(tmp_path):
+def test_a_sentencepiece_model_without_an_eos_or_pad_id_is_refused_before_writing(tmp_path):
+    """eos_id=-1 (and sentencepiece's default pad_id=-1): no id can separate the documents, so
+    SentencePieceTokenizer refuses the model, naming it and the fix, before any split is written."""
     spm = pytest.importorskip("sentencepiece")
     (tmp_path / "corpus.txt").write_text(corpus_text())
     spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"),
                                    vocab_size=60, model_type="bpe", eos_id=-1, minloglevel=2)
-    try:
-        metas = prepare_text(write_corpus(tmp_path / "src"), tmp_path / "train", tmp_path / "heldout",
-                             tokenizer=str(tmp_path / "sp.model"), heldout_fraction=FRACTION)
-    except ConfigError as err:
-        assert "eos" in str(err)
-        return
-    assert 0 <= metas["train"]["eos_id"] < metas["train"]["vocab_size"]
-    assert shard_files(tmp_path / "train")[0].max() < metas["train"]["vocab_size"]
+    model = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    assert (model.eos_id(), model.pad_id()) == (-1, -1)
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'sp.model'} has no eos (or pad) id to separate "
+                                                    "documents; retrain it with eos_id >= 0")):
+        prepare_text(write_corpus(tmp_path / "src"), tmp_path / "train", tmp_path / "heldout",
+                     tokenizer=str(tmp_path / "sp.model"), heldout_fraction=FRACTION)
+    assert not (tmp_path / "train").exists() and not (tmp_path / "heldout").exists()
 
 
 # ----------------------------------------------------------------------------- pipeline: sharding

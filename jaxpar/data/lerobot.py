@@ -44,6 +44,7 @@ Differences from lerobot, on purpose: a video frame matches the decoded frame ne
 from __future__ import annotations
 
 import collections
+import fractions
 import io
 import json
 import pathlib
@@ -278,11 +279,12 @@ def decode_video(path: pathlib.Path, times: np.ndarray, size: int, tolerance: fl
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             first, last = float(times.min()), float(times.max())
-            container.seek(max(int(first / stream.time_base) - 1, 0), backward=True, any_frame=False, stream=stream)
+            time_base = as_fraction(stream.time_base)
+            container.seek(max(int(first / time_base) - 1, 0), backward=True, any_frame=False, stream=stream)
             for frame in container.decode(stream):
                 if frame.pts is None:
                     continue
-                t = float(frame.pts * stream.time_base)
+                t = float(frame.pts * time_base)
                 if t >= first - tolerance:
                     got_t.append(t)
                     got.append(resize(frame.to_image(), size))
@@ -515,3 +517,8 @@ class LeRobotSource:
             raise ConfigError(f"{path}: {action_key} q01 / q99 have {q01.size} / {q99.size} values, not {dims}; "
                               f"{FIX} or delete it")
         return q01, q99
+
+
+def as_fraction(rate) -> fractions.Fraction:
+    """A PyAV rational as a Fraction: PyAV up to 18 returns Fraction, 19 its own AVRational (no int())."""
+    return fractions.Fraction(rate.numerator, rate.denominator)

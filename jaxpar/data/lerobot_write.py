@@ -88,6 +88,7 @@ import shutil
 import numpy as np
 
 from jaxpar.data.episodes import DONE_MARKER, iter_split, write_scenes
+from jaxpar.data.lerobot import as_fraction
 from jaxpar.errors import ConfigError
 
 CODEBASE_VERSION = "v3.0"
@@ -277,7 +278,7 @@ class CameraVideo:
             stream = container.streams.video[0]
             info = {"video.height": stream.height, "video.width": stream.width,
                     "video.codec": stream.codec_context.codec.canonical_name, "video.pix_fmt": stream.pix_fmt,
-                    "video.fps": int(stream.base_rate),
+                    "video.fps": int(as_fraction(stream.base_rate)),
                     "video.channels": len(av.VideoFormat(stream.pix_fmt).components),
                     "has_audio": len(container.streams.audio) > 0}
         for field, value in self.config.items():

@@ -2,10 +2,17 @@
 
 Design (docs/design.md has the longer story):
 - Loss and gradients run inside one `jax.shard_map` over the whole mesh with hand-written
-  collectives, so every byte that moves is one we asked for: 2 all-reduces over tp per layer
-  forward (row-parallel outputs) and 2 backward (the input gradient of each tensor-parallel block:
-  the transpose of `Collectives.enter_tensor_parallel`), vocab-parallel loss, and one gradient
-  reduction over dp: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2); with sequence parallelism
+  collectives, so every byte that moves there is one we asked for. Over tp, per layer: 2 all-reduces
+  forward (the attention and MLP row-parallel outputs, Megatron's g) and 2 backward (the input
+  gradient of each tensor-parallel block, Megatron's f: the transpose of
+  `Collectives.enter_tensor_parallel`); with remat full the backward scan also recomputes the
+  attention output's all-reduce (not the MLP's: the layer's output is not needed), 2 + 1 + 2 = 5.
+  Once per step: the vocab-parallel embedding, the loss's max, normaliser and target logit, and the
+  head input's gradient. tests/test_tp_backward.py counts them in the compiled step (pp = 1, ZeRO 0,
+  remat none and full): XLA leaves every per-layer one a separate all-reduce, combines the head
+  input's gradient with the target logit into one tuple all-reduce, and its partitioner adds one
+  more after the shard_map (the gradient norm's partial sums over tp). Over dp, one gradient
+  reduction: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2); with sequence parallelism
   the tp all-reduces become reduce-scatter / all-gather pairs; ZeRO-3 gathers each layer's weights
   just before use and its transpose reduce-scatters the gradients. In bf16 the gathers move bf16;
   gradient reductions over dp move fp32 (`grad_reduce=bf16` halves their bytes).

@@ -1,0 +1,123 @@
+"""Device order (issue 18 item 4): tp groups stay inside a process (node) and dp crosses processes,
+whatever order the devices are listed in; the HLO report labels axes by mesh position, not Device.id."""
+
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import random  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import AxisType, Mesh, PartitionSpec as P  # noqa: E402
+
+from jaxpar.errors import ConfigError  # noqa: E402
+from jaxpar.hlo import collectives  # noqa: E402
+from jaxpar.mesh import AXES, Layout, split_over_processes  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """What the mesh construction reads of a device."""
+    id: int
+    process_index: int
+    platform: str = "gpu"
+    device_kind: str = "fake"
+
+
+def nodes(processes: int, per_process: int) -> list[FakeDevice]:
+    return [FakeDevice(p * per_process + k, p) for p in range(processes) for k in range(per_process)]
+
+
+def process_grid(grid: np.ndarray) -> np.ndarray:
+    return np.vectorize(lambda d: d.process_index, otypes=[int])(grid)
+
+
+@pytest.mark.parametrize("shape,per_process,inside,across", [
+    ((2, 1, 4), 4, [1, 1, 4], [2, 1, 1]),
+    ((4, 1, 2), 4, [2, 1, 2], [2, 1, 1]),
+    ((2, 2, 8), 8, [1, 1, 8], [2, 2, 1]),  # 4 nodes of 8: tp = a node, pp and dp across nodes
+    ((4, 2, 2), 8, [2, 2, 2], [2, 1, 1]),
+    ((1, 1, 16), 8, [1, 1, 8], [1, 1, 2]),  # tp larger than a node: it has to cross
+    ((2, 1, 4, 2), 4, [1, 1, 2, 2], [2, 1, 2, 1]),  # a VLA's split tp axis (tp, tpv)
+])
+def test_split_fills_a_process_from_the_innermost_axis(shape, per_process, inside, across):
+    assert split_over_processes(shape, per_process) == (inside, across)
+
+
+def test_a_shape_that_no_process_split_fits_is_a_one_line_error():
+    with pytest.raises(ConfigError, match="cannot be laid out over processes of 4 devices") as err:
+        split_over_processes((1, 1, 6), 4)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 4), (4, 2), (8, 2)])
+def test_tp_groups_stay_inside_a_process_whatever_the_device_listing(dp, tp):
+    """Devices listed interleaved across processes (as a topology-ordered or shuffled list can be):
+    the grid still puts each tp group on one process and spreads dp over the processes."""
+    devices = nodes(processes=dp * tp // 4, per_process=4)
+    random.Random(0).shuffle(devices)
+    grid = Layout(dp=dp, tp=tp)._grid_over_processes(devices)
+    procs = process_grid(grid)
+    assert grid.shape == (dp, 1, tp) and sorted(d.id for d in grid.flat) == list(range(dp * tp))
+    for row in procs.reshape(-1, tp):
+        assert len(set(row)) == 1, procs  # a tp group: one process
+    assert set(procs[:, 0, 0]) == set(range(dp * tp // 4))  # dp crosses every process
+
+
+def test_several_processes_must_use_every_device():
+    with pytest.raises(ConfigError, match="on several processes the mesh must use every device") as err:
+        Layout(dp=1, tp=4)._grid_over_processes(nodes(2, 4))
+    assert "\n" not in str(err.value)
+
+
+def test_one_process_keeps_the_listed_order():
+    mesh = Layout(dp=2, tp=4).make_mesh()
+    assert list(mesh.devices.flat) == jax.devices()[:8] and mesh.axis_names == AXES
+
+
+def test_hlo_labels_axes_by_mesh_position_not_device_id():
+    """A mesh over shuffled devices: the program's replica groups are mesh positions, so a psum over tp
+    is still labelled tp (reading them as Device.id gave 'other')."""
+    devices = list(jax.devices()[:8])
+    random.Random(1).shuffle(devices)
+    mesh = Mesh(np.asarray(devices, dtype=object).reshape(2, 1, 4), AXES, axis_types=(AxisType.Auto,) * 3)
+
+    def f(x):
+        x = lax.psum(x, "tp") + lax.psum(x, "dp")
+        return lax.ppermute(x, "dp", [(0, 1), (1, 0)])
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    text = g.lower(np.ones((4, 4), np.float32)).compile().as_text()
+    got = sorted((e["op"], e["axis"]) for e in collectives(text, mesh))
+    assert got == [("all-reduce", "dp"), ("all-reduce", "tp"), ("collective-permute", "dp")]
+
+
+def test_two_processes_of_four_devices_keep_every_tp_group_inside_a_process(tmp_path):
+    """2 JAX processes x 4 emulated CPU devices (gloo), the trainer's own device set-up: for (2,1,4) and
+    (4,1,2) each tp group is one process's devices, dp crosses the processes, and the compiled
+    program's tp all-reduce is labelled tp."""
+    with socket.socket() as probe:  # a free port: tests may run side by side
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "mesh_over_processes.py"), str(port), str(i),
+                               str(tmp_path / f"out{i}.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-2000:]
+    for i in range(2):
+        for layout in json.loads((tmp_path / f"out{i}.json").read_text()):
+            dp, tp = layout["dp"], layout["tp"]
+            grid = np.asarray(layout["processes"]).reshape(dp, tp)
+            assert all(len(set(row)) == 1 for row in grid), layout
+            assert set(grid[:, 0]) == {0, 1}, layout
+            assert layout["labels"] == ["tp"], layout
