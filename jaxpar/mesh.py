@@ -115,9 +115,19 @@ def split_over_processes(shape: tuple[int, ...], per_process: int) -> tuple[list
     return inside, [size // part for size, part in zip(shape, inside)]
 
 
+# XLA:CPU aborts a collective when one of its device threads is 40 s late (its default); emulated
+# devices are threads of one process that a loaded host (a test suite in parallel, grain workers) can
+# starve for that long, so the trainer allows 10 minutes unless the user set the flag.
+CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+
+
 def emulate_cpu_devices(count: int) -> None:
-    """Ask the CPU backend for `count` devices; must run before the first JAX backend use."""
+    """Ask the CPU backend for `count` devices and give its collectives a load-tolerant timeout;
+    must run before the first JAX backend use."""
     jax.config.update("jax_num_cpu_devices", max(count, 1))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if CPU_COLLECTIVE_TIMEOUT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}=600".strip()
 
 
 def maybe_initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,

@@ -1,8 +1,9 @@
-"""Every test runs on 8 emulated CPU devices (set before JAX's first backend use)."""
+"""Every test runs on 8 emulated CPU devices (set before JAX's first backend use), with the trainer's
+load-tolerant collective timeout (the suite runs in 2 workers on 2 cores)."""
 
-import jax
+from jaxpar.mesh import emulate_cpu_devices
 
-jax.config.update("jax_num_cpu_devices", 8)
+emulate_cpu_devices(8)
 
 import dataclasses  # noqa: E402
 
