@@ -6,6 +6,7 @@ from jaxpar.mesh import emulate_cpu_devices
 emulate_cpu_devices(8)
 
 import dataclasses  # noqa: E402
+import socket  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -48,3 +49,10 @@ def replace(config: Config, **groups) -> Config:
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def free_port() -> int:
+    """A free loopback port for a coordinator: tests run side by side (2 xdist workers)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

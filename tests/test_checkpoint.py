@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import TINY_MODEL, builder_for, make_config
+from conftest import TINY_MODEL, builder_for, free_port, make_config
 from jaxpar.checkpoint import _model_fingerprint, fingerprint_mismatch
 from jaxpar.config import CheckpointConfig, DebugConfig, PipelineConfig, load_config
 from jaxpar.errors import ConfigError
@@ -228,9 +227,7 @@ def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(tmp_pa
                             "--workdir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     losses = {r["step"]: r["loss"] for r in logged(tmp_path / "run")}
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     script = os.path.join(os.path.dirname(__file__), "restore_fails_on_one_process.py")
     procs = [subprocess.Popen([sys.executable, script, "4", *common, "--config.train.steps=5", "--workdir",
                                str(tmp_path / "run"), "--coordinator_address", f"127.0.0.1:{port}",

@@ -9,7 +9,6 @@ import json  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
 import random  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -18,6 +17,7 @@ import pytest  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, Mesh, PartitionSpec as P  # noqa: E402
 
+from conftest import free_port  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.hlo import collectives  # noqa: E402
 from jaxpar.mesh import AXES, Layout, split_over_processes  # noqa: E402
@@ -106,9 +106,7 @@ def test_two_processes_of_four_devices_keep_every_tp_group_inside_a_process(tmp_
     """2 JAX processes x 4 emulated CPU devices (gloo), the trainer's own device set-up: for (2,1,4) and
     (4,1,2) each tp group is one process's devices, dp crosses the processes, and the compiled
     program's tp all-reduce is labelled tp."""
-    with socket.socket() as probe:  # a free port: tests may run side by side
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "mesh_over_processes.py"), str(port), str(i),
                                str(tmp_path / f"out{i}.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for i in range(2)]
