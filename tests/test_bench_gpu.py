@@ -4,6 +4,7 @@ process per variant; GPU-only variants reported as skipped), and its variant nam
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -20,9 +21,14 @@ def load_bench():
     return module
 
 
+USER_XLA_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+
+
 def run_smoke(out_dir: pathlib.Path, *flags: str) -> dict:
+    """Runs the smoke benchmark with a known user XLA_FLAGS (the one conftest sets), which it must keep as is."""
+    env = {**os.environ, "XLA_FLAGS": USER_XLA_FLAGS}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out_dir", str(out_dir), *flags],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out_dir / "bench_gpu.json").read_text())
 
@@ -55,7 +61,7 @@ def test_smoke_default_variants(tmp_path):
     report = run_smoke(tmp_path)
     names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective"]
     check_rows(report, names, tmp_path, skipped=names[:3])
-    assert report["xla_flags"] == ""  # no GPU bundle on CPU (and none set by the test's environment)
+    assert report["xla_flags"] == USER_XLA_FLAGS  # the user's flags, and no GPU bundle added on CPU
     assert report["precision"] == "bf16" and report["platform"] == "cpu" and report["device_count"] == 1
     assert report["jax_version"] and "--smoke" in report["command"]
     assert report["model"]["params"] > 0 and report["peak_tflops_per_device"] is None
