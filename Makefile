@@ -25,9 +25,10 @@ test: $(STAMP)
 dry-run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama7b.py --dry_run --workdir runs/llama7b_dry
 
-## Tests marked slow: the proof-of-learning runs (minutes each).
+## Tests marked slow (more layouts, the big dry runs, whole demos; CI runs them after `make test`), in 2 workers, then the proof-of-learning runs alone.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadscope -m slow --ignore=tests/test_learning.py
+	$(MAKE) test-learning
 
 ## The proof-of-learning runs (llama_tiny and vla_tiny as shipped; slow tests, about 15 minutes): CI runs them after `make test`.
 test-learning: $(STAMP)

@@ -56,6 +56,7 @@ def test_checkpoint_restores_onto_another_layout(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in resumed], full[3:], rtol=1e-5)
 
 
+@pytest.mark.slow  # resharding stays in `make test` (onto another layout); this adds the pipeline's stages
 def test_checkpoint_restores_across_pipeline_and_virtual_stages(tmp_path):
     """No pipeline -> (1,2,1) interleaved (v=2, layers stored by device) -> (1,4,1): the same losses as
     one uninterrupted run, so the stored layer order is recorded and moved on each restore."""

@@ -125,7 +125,8 @@ def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
     from jaxpar.models import vit, vla
 
     config = load_config("vla_tiny", ["data.train=", "data.eval=", "data.generate=false", "train.steps=2",
-                                      "train.global_batch_size=8", "pipeline.microbatches=2", "train.lr=0.01"])
+                                      "train.global_batch_size=8", "train.lr=0.01",
+                                      "mesh.dp=2", "mesh.pp=1", "mesh.tp=1", "pipeline.microbatches=1"])  # decoding, not the layout, is tested
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config)))

@@ -2,6 +2,7 @@
 
 The schedule tables themselves are tested in tests/test_schedule.py."""
 
+import collections
 import dataclasses
 
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config
+from jaxpar import hlo
 from jaxpar.config import ModelConfig, PipelineConfig, RematConfig
 from jaxpar.dry_run import dry_run
 from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
@@ -92,6 +94,62 @@ def test_pipeline_with_zero2_matches_single_device():
     assert_grads_close(grads, ref_grads)
 
 
+# ----------------------------------------------------------------------------- dp reductions issued early
+
+def dp_config(schedule, virtual, stage):
+    config = pipeline_config((2, 2, 2), schedule, 4, "none", virtual)
+    return dataclasses.replace(config, zero=dataclasses.replace(config.zero, stage=stage))
+
+
+@pytest.mark.parametrize("schedule,virtual,stage", [("1f1b", 2, 2), ("zb", 1, 1)])
+def test_early_dp_reductions_match_single_device(schedule, virtual, stage):
+    """Each part is reduced over dp once its gradient is final: the head after the last loss slot,
+    each interleaved chunk after stage 0's last backward of it (ZeRO-2: reduce-scattered chunk by
+    chunk, then put back together); zb's layer gradients come from its W slots."""
+    assert_matches_single_device(dp_config(schedule, virtual, stage))
+
+
+def ticks_after_each_dp_reduction(config) -> tuple[collections.Counter, int]:
+    """In the program jaxpar writes (before XLA's passes, which cannot add dependencies): for each
+    non-scalar dp all-reduce / reduce-scatter, how many pipeline ticks run in scans that are not among
+    its inputs, i.e. could overlap it; and the ticks of all the scans beside it."""
+    builder = builder_for(config)
+    lowered = builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch())
+    comps, _ = hlo.parse_module(lowered.as_text(dialect="hlo"))
+    after, ticks = collections.Counter(), set()
+    for instrs in comps.values():
+        by_name = {i["name"]: i for i in instrs}
+        scans = {i["name"]: hlo._while_parts(comps, i, by_name)[1] for i in instrs if i["op"] == "while"}
+        for ins in instrs:
+            if ins["op"] not in ("all-reduce", "reduce-scatter") or not scans or ins["shape"].startswith("f32[]"):
+                continue
+            groups = hlo.parse_replica_groups(ins["attrs"], config.mesh.dp * config.mesh.pp * config.mesh.tp)
+            if hlo.axis_label(groups, builder.mesh) != "dp":
+                continue
+            inputs, stack = set(), [ins["name"]]
+            while stack:
+                for arg in by_name[stack.pop()]["args"]:
+                    if arg in by_name and arg not in inputs:
+                        inputs.add(arg)
+                        stack.append(arg)
+            after[sum(n for scan, n in scans.items() if scan not in inputs)] += 1
+            ticks.add(sum(scans.values()))
+    return after, ticks
+
+
+# (2,2,2), m = 4, p = 2: 2 head leaves (final norm, LM head), 9 weights per layer chunk, 1 embedding.
+# 1F1B (schedule.py): F(i, k) = b + k, B(i, k) = b + 2(vp - 1) - k, b = (i // p) v p + i % p; the last
+# microbatch i = 3 has b = 3 (v = 1) or 5 (v = 2), so the schedule has b + 2(vp - 1) + 1 = 6 or 12 ticks.
+# head: final after the last loss slot F(3, vp - 1) = 4 or 8: 6 - 4 - 1 = 1 tick after it, or 12 - 8 - 1 = 3;
+# chunk 1 (v = 2): final after B(3, k = p) = 9, 2 ticks after; chunk 0 and the embedding: after the last tick.
+@pytest.mark.parametrize("virtual,expected,ticks", [(1, {1: 2, 0: 10}, 6), (2, {3: 2, 2: 9, 0: 10}, 12)])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_dp_reductions_are_issued_before_the_ticks_after_their_last_use(virtual, expected, ticks, stage):
+    after, scan_ticks = ticks_after_each_dp_reduction(dp_config("1f1b", virtual, stage))
+    assert scan_ticks == {ticks}
+    assert after == collections.Counter(expected)
+
+
 # ----------------------------------------------------------------------------- memory from the compiled program
 
 MEMORY_MODEL = ModelConfig(vocab_size=512, d_model=256, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=1024)
@@ -105,6 +163,7 @@ def temp_bytes(schedule: str, m: int, virtual: int = 1, recompute: bool = False,
     return dry_run(config, builder_for(config).mesh)["per_device_bytes"]["temp"]
 
 
+@pytest.mark.slow
 def test_1f1b_memory_is_bounded_in_m_while_gpipe_grows():
     """1F1B's stash holds the residuals of min(m, 2p - 1) microbatches (+ a spare entry): O(p), whatever
     m is once m >= 2p - 1 = 7 (below that it needs, and allocates, fewer). GPipe keeps all m."""

@@ -319,3 +319,27 @@ def test_dp_traffic_by_stage_and_grad_reduce_dtype_and_what_overlaps():
     assert z1["step_s"] == pytest.approx(compute_s + (4 + 2) * ring, rel=1e-12)
     assert z3["dp_exposed_s"] == pytest.approx((4 + 2 + 2) * ring / 32, rel=1e-12)
     assert z3["step_s"] == pytest.approx(compute_s + (4 + 2 + 2) * ring / 32, rel=1e-12)
+
+
+def test_pipelined_dp_reduction_hides_the_head_and_interleaved_chunks():
+    """llama7b bf16 on (8, 4, 1) ZeRO-1, one 4096-token sequence per microbatch, m = 8: compute is
+    seconds, the ticks long, so what the pipeline reduces before its last tick hides whole. Per device
+    it holds 8 of the 32 layers and a quarter of the vocabulary (embedding and head, 32000 x 4096 each,
+    plus the final norm); the fp32 gradients' reduce-scatter costs 4 x ring x params, and the bf16
+    weights' all-gather after the update (2 x ring x params) never hides. Without interleaving only the
+    head's reduction runs beside the cooldown; with v = 2 the second chunk (half the layers) does too."""
+    hw = hardware.get("a100-80gb")
+
+    def times(virtual):
+        config = load_config("llama7b.py", ["mesh.dp=8", "mesh.pp=4", "mesh.tp=1", "zero.stage=1", "precision=bf16",
+                                            "train.global_batch_size=64", "pipeline.microbatches=8",
+                                            f"pipeline.virtual_stages={virtual}"])
+        return cost.step_time(config, hw, 8)
+
+    layers, head = 8 * 202_383_360, 32000 * 4096 // 4 + 4096  # a Llama-2-7B layer: 4 x 4096^2 + 3 x 4096 x 11008 + 2 x 4096
+    embed = 32000 * 4096 // 4
+    ring = 7 / 8 / (4 * 25e9 / 8)  # seconds per byte of one parameter: dp crosses nodes (4 IB NICs for 8 GPUs)
+    for virtual, hidden in ((1, head), (2, head + layers / 2)):
+        t = times(virtual)
+        assert t["dp_comm_s"] == pytest.approx((4 + 2) * ring * (layers + head + embed), rel=1e-12)
+        assert t["dp_exposed_s"] == pytest.approx(t["dp_comm_s"] - 4 * ring * hidden, rel=1e-9)

@@ -93,7 +93,7 @@ def test_temp_bytes_order_none_selective_full_and_offload_keeps_selectives_tenso
 # ----------------------------------------------------------------------------- optimizer offload
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_offloaded_optimizer_lives_on_host_and_trains_the_same(precision):
     base = make_config(dp=2, tp=4, stage=1, precision=precision)
     config = dataclasses.replace(base, offload=OffloadConfig(optimizer=True))

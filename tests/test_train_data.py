@@ -87,6 +87,7 @@ def run_cli(*args, cwd):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow  # vla_tiny's whole demo; tests/test_learning.py runs it too
 def test_vla_tiny_generates_its_data_on_first_use_and_evaluates(tmp_path):
     """The shipped demo with data.demo_format=lerobot: its data written as a LeRobot v3.0 dataset on
     first use, read back through the LeRobot reader (action bins from its stats.json), with held-out

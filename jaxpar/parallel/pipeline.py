@@ -84,8 +84,13 @@ class Pipeline:
     """Loss and local gradients of one dp shard's microbatches, pipelined over pp (inside shard_map)."""
 
     def __init__(self, schedule: Schedule, pieces: StagePieces, varying_axes: tuple[str, ...],
-                 stage_recompute: bool = False, activation_axes: tuple[str, ...] = ()):
+                 stage_recompute: bool = False, activation_axes: tuple[str, ...] = (),
+                 reduce_dp: Callable | None = None):
+        """reduce_dp(part, grads) -> grads: the gradient reduction over dp of "first", "head" or one
+        chunk of "layers" (ZeRO's business, jaxpar.parallel.zero); the pipeline only decides when,
+        each as soon as the schedule table says the part's gradient is final. None: no reduction."""
         self.table, self.pieces, self.varying = schedule, pieces, varying_axes
+        self.reduce_dp = reduce_dp or (lambda part, grads: grads)
         self.act_varying = varying_axes + activation_axes  # sequence parallelism: activations vary over tp
         self.p, self.m, self.v = schedule.stages, schedule.microbatches, schedule.virtual
         self.data_axes = tuple(a for a in varying_axes if a != PP)
@@ -260,18 +265,52 @@ class Pipeline:
             carry["cot_stash"] = _pcast(jnp.zeros((slots,) + ctx["act"][0], ctx["act"][1]), self.act_varying)
         if extra is not None:
             carry["d_extra"] = zeros_typed(jax.typeof(extra).update(dtype=jnp.float32))
-        for phase in self.table.phases:
-            rows = jax.tree.map(jnp.asarray, self._rows(phase.first, phase.count))
-            carry, _ = jax.lax.scan(self._tick(ctx, phase.kinds), carry, rows)
-        return carry["loss"], self._finish(params, carry["grads"]), carry.get("d_extra")
+        reduced = {}
+        for kinds, first, count in self._segments():
+            rows = jax.tree.map(jnp.asarray, self._rows(first, count))
+            carry, _ = jax.lax.scan(self._tick(ctx, kinds), carry, rows)
+            carry = self._reduce_final(params, carry, reduced, first + count - 1)
+        layers = [reduced[("layers", c)] for c in range(self.v)]
+        grads = {"first": reduced[("first",)], "head": reduced[("head",)],
+                 "layers": layers[0] if self.v == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *layers)}
+        return carry["loss"], grads, carry.get("d_extra")
 
-    @staticmethod
-    def _finish(params, grads):
-        """Sum over stages the gradients of first / head weights that are replicated over pp."""
-        def reduce(tree, original):
-            return jax.tree.map(lambda g, w: g if varies_over(w, PP) else jax.lax.psum(g, PP), tree, original)
-        return {"first": reduce(grads["first"], params["first"]), "layers": grads["layers"],
-                "head": reduce(grads["head"], params["head"])}
+    # --------------------------------------------------------------- gradient reductions, early
+    def _final_at(self) -> dict[int, list[tuple]]:
+        """{tick: the gradient parts that are final after it}: ("head",), ("layers", chunk), ("first",)."""
+        final, at = self.table.gradients_final(), {}
+        at.setdefault(final["head"], []).append(("head",))
+        for chunk, tick in reversed(list(enumerate(final["chunks"]))):
+            at.setdefault(tick, []).append(("layers", chunk))
+        at.setdefault(final["first"], []).append(("first",))
+        return at
+
+    def _segments(self) -> list[tuple[str, int, int]]:
+        """(kinds, first tick, count): the schedule's phases, cut after every tick that makes a gradient
+        final, so its reduction is issued there and the ticks after it can overlap it."""
+        cuts, out = {t + 1 for t in self._final_at()}, []
+        for phase in self.table.phases:
+            start, end = phase.first, phase.first + phase.count
+            for cut in sorted(c for c in cuts if start < c < end) + [end]:
+                out.append((phase.kinds, start, cut - start))
+                start = cut
+        return out
+
+    def _reduce_final(self, params, carry, reduced: dict, tick: int) -> dict:
+        """Reduce the parts whose gradients are final after `tick` (into `reduced`); weights replicated
+        over pp (the final norm) are summed over stages first. On XLA:CPU the next scan starts only
+        once every one of them is done (`after` on each accumulator: one collective order)."""
+        grads = carry["grads"]
+        for part in self._final_at().get(tick, []):
+            name, final = part[0], grads[part[0]]
+            if name == "layers":
+                final = self._chunk(final, part[1])
+            else:
+                final = jax.tree.map(lambda g, w: g if varies_over(w, PP) else jax.lax.psum(g, PP),
+                                     final, params[name])
+            reduced[part] = self.reduce_dp(name, final)
+            grads = {**grads, name: jax.tree.map(after, grads[name], reduced[part])}
+        return {**carry, "grads": grads}
 
     # --------------------------------------------------------------- forward only: GPipe and evaluation
     def _forward_phases(self) -> list[tuple[bool, int, int]]:
@@ -325,7 +364,7 @@ class Pipeline:
             return self.forward_sums(p, micro, e, self.pieces.head_loss, zero)
 
         loss, (grads, d_extra) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, extra)
-        return loss, grads, d_extra
+        return loss, {part: self.reduce_dp(part, g) for part, g in grads.items()}, d_extra
 
 
 # ------------------------------------------------------------------- layer order of interleaved stages

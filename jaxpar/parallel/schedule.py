@@ -136,6 +136,18 @@ class Schedule:
         """Unweighted idle share of executed F/B/W cells (the old figure; prefer bubble_fraction)."""
         return self._idle({"F": 1, "B": 1, "W": 1})
 
+    def gradients_final(self) -> dict:
+        """The tick after which each gradient accumulator stops changing (1f1b family; not gpipe, whose
+        backward is autodiff): {"head": last L, "chunks": (last tick any stage adds to chunk c, per c),
+        "first": stage 0's last chunk-0 B}. The runtime reduces each over dp right after its tick, so
+        the rest of the schedule can overlap it: the head during the cooldown, chunk c of an
+        interleaved pipeline during the c p ticks after stage 0's last backward of it."""
+        mb, chunk = self.table("W" if self.kind == "zb" else "B")
+        last = lambda cells: int(np.nonzero(cells)[0].max())  # noqa: E731
+        chunks = tuple(last(((mb != IDLE) & (chunk == c)).any(axis=1)) for c in range(self.virtual))
+        first = last((self.backward[:, 0] != IDLE) & (self.backward_chunk[:, 0] == 0))
+        return {"head": last(self.loss != IDLE), "chunks": chunks, "first": first}
+
     def in_flight(self) -> np.ndarray:
         """Per stage, the peak number of live stash entries (each one chunk's stage input)."""
         written = np.cumsum(self.stash["F"] != IDLE, axis=0)

@@ -219,12 +219,14 @@ class StepBuilder:
         """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""
         return remat.layer_policy(self.config.remat.policy, regathers_weights=self.zero.gathers_weights)
 
-    def _reduce_grads_over_dp(self, grads):
-        """The LLM's one gradient reduction over dp. ZeRO-3's gathers and ZeRO-2's grad taps already
-        reduce-scattered inside the backward, layer by layer."""
+    def _reduce_grads_over_dp(self, grads, axes=None):
+        """The LLM's gradient reduction over dp (of `grads`, laid out as `axes`: by default all of the
+        LLM's). ZeRO-3's gathers and ZeRO-2's grad taps already reduce-scattered inside the backward,
+        layer by layer; a pipeline reduces each part itself, as soon as its gradient is final."""
         if not self.zero.reduces_after_backward:
             return grads
-        return reduce_gradients(grads, self.axes, DP, self.stage >= 2, self.specs_rules, self.grad_reduce_dtype)
+        return reduce_gradients(grads, self.axes if axes is None else axes, DP, self.stage >= 2,
+                                self.specs_rules, self.grad_reduce_dtype)
 
     def _local_loss_and_grads(self, params, batch):
         """Per-device body of the shard_map: (vision encoder,) the LLM, then the gradient reductions."""
@@ -235,7 +237,8 @@ class StepBuilder:
             image_tokens, vision_vjp = self.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
                                                            vla.instruction_ids(batch, self.config))
         loss, grads, d_image = self._llm_loss_and_grads(llm_params, batch, image_tokens, token_count)
-        grads = self._reduce_grads_over_dp(grads)
+        if self.mesh.shape["pp"] == 1:  # the pipeline reduced each part already
+            grads = self._reduce_grads_over_dp(grads)
         if vision_vjp is not None:
             (vision_grads,) = vision_vjp(d_image.astype(image_tokens.dtype))
             grads.update(self.vision.reduce_grads(vision_grads, self.grad_reduce_dtype))
@@ -311,17 +314,23 @@ class StepBuilder:
         table = pipeline_schedule.build(schedule or pipe.schedule, self.mesh.shape["pp"], pipe.microbatches,
                                         pipe.virtual_stages)
         varying = ("pp",) + ((DP,) if self.dp_axis else ())
+        part_axes = self.pipeline_parts(self.axes)
         return Pipeline(table, self.stage_pieces(coll, policy, token_count), varying, pipe.stage_recompute,
-                        activation_axes=coll.sequence_axes)  # sequence-parallel activations vary over tp too
+                        activation_axes=coll.sequence_axes,  # sequence-parallel activations vary over tp too
+                        reduce_dp=lambda part, grads: self._reduce_grads_over_dp(grads, part_axes[part]))
+
+    @staticmethod
+    def pipeline_parts(tree) -> dict:
+        """An LLM-shaped tree (weights, their logical axes) cut into the pipeline's three parts."""
+        return {"first": {"embed": tree["embed"]}, "layers": tree["layers"],
+                "head": {k: tree[k] for k in llama.HEAD_AXES}}
 
     def pipeline_inputs(self, params, batch, image_tokens):
         """The LLM's weights as the pipeline's pieces, and the batch (and image tokens) by microbatch."""
         m = self.config.pipeline.microbatches
         micro = {k: v.reshape(m, -1, *v.shape[1:]) for k, v in batch.items()}
         extra = None if image_tokens is None else image_tokens.reshape(m, -1, *image_tokens.shape[1:])
-        split = {"first": {"embed": params["embed"]}, "layers": params["layers"],
-                 "head": {k: params[k] for k in llama.HEAD_AXES}}
-        return split, micro, extra
+        return self.pipeline_parts(params), micro, extra
 
     def _pipelined_loss_and_grads(self, params, batch, image_tokens, token_count, coll, policy):
         split, micro, extra = self.pipeline_inputs(params, {k: batch[k] for k in ("inputs", "targets", "mask")},

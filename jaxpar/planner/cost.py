@@ -172,12 +172,14 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     slots = slot_counts(config)
     pp_s = 0.0 if p == 1 else ((slots["F"] + slots["B"]) * activation / pp_bw
                                + 4 * passes * ring_allreduce_s(activation, p, pp_bw))
-    return {"tp_comm_s": tp_s, "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"], "pp_comm_s": pp_s,
+    return {"tp_comm_s": tp_s, "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"],
+            "dp_grad_reduce_s": dp["grad_reduce"], "pp_comm_s": pp_s,
             "links": {"tp": tp_link, "dp": dp["link"], "pp": pp_link}}
 
 
 def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> dict:
-    """The step's dp traffic in seconds, and the part issued per layer inside the layer scans.
+    """The step's dp traffic in seconds, the part issued per layer inside the layer scans, and the
+    gradients' reduction alone (what a pipeline can start before its schedule ends).
 
     Gradients move in grad_reduce's dtype (fp32 by default), weights in the compute dtype. ZeRO-0:
     one all-reduce of the gradients; ZeRO-1/2: their reduce-scatter + the all-gather of the updated
@@ -191,11 +193,12 @@ def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> dict
     bw, link = link_bandwidth(mesh.pp * mesh.tp, mesh.dp, gpus_per_node, hw)
     ring = 0.0 if mesh.dp <= 1 else (mesh.dp - 1) / mesh.dp * psi / bw  # seconds per byte of each element
     if stage == 0:
-        return {"total": 2 * g * ring, "in_scan": 0.0, "link": link}
+        return {"total": 2 * g * ring, "in_scan": 0.0, "grad_reduce": 2 * g * ring, "link": link}
     if stage < 3:
         per_layer = stage == 2 and mesh.pp == 1
-        return {"total": (g + c) * ring, "in_scan": g * ring if per_layer else 0.0, "link": link}
-    return {"total": (g + 2 * c) * ring, "in_scan": (g + 2 * c) * ring, "link": link}
+        return {"total": (g + c) * ring, "in_scan": g * ring if per_layer else 0.0, "grad_reduce": g * ring,
+                "link": link}
+    return {"total": (g + 2 * c) * ring, "in_scan": (g + 2 * c) * ring, "grad_reduce": g * ring, "link": link}
 
 
 def exposed_dp_s(dp_total: float, dp_in_scan: float, layers: int, compute_s: float) -> float:
@@ -206,6 +209,24 @@ def exposed_dp_s(dp_total: float, dp_in_scan: float, layers: int, compute_s: flo
         return dp_total
     hidden = min(dp_in_scan * (1 - 1 / max(layers, 1)), compute_s)
     return dp_total - hidden
+
+
+def pipelined_dp_hidden_s(config: Config, grad_reduce_s: float, layers_executed_s: float) -> float:
+    """Seconds of a pipeline's gradient reduction over dp that the rest of the schedule can hide:
+    jaxpar.parallel.pipeline reduces each part once the table says it is final, so the head's runs
+    beside the ticks after the last loss slot, and chunk c of v beside the c p ticks after stage 0's
+    last backward of it; each hides at most those ticks' time (the layers' executed time, spread
+    evenly over the ticks). Chunk 0 and the embedding are final only after the last tick (stage 0),
+    so without interleaving only the head's reduction is hidden."""
+    table = pipeline_table(config)
+    if table is None or table.kind == "gpipe" or grad_reduce_s <= 0:
+        return 0.0
+    counts, last = local_params(config), table.ticks - 1
+    per_param = grad_reduce_s / (counts["llm_layers"] + counts["llm_rest"])
+    tick_s, final = layers_executed_s / table.ticks, table.gradients_final()
+    hidden = min(per_param * counts["llm_head"], (last - final["head"]) * tick_s)
+    chunk_s = per_param * counts["llm_layers"] / table.virtual
+    return hidden + sum(min(chunk_s, (last - tick) * tick_s) for tick in final["chunks"])
 
 
 def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
@@ -219,7 +240,8 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     compute_s = busy_layers_s + (parts["head"] + parts["vision"]) / rate
     bubble_s = idle / (1 - idle) * (busy_layers_s + comm["tp_comm_s"])
     layers = config.model.n_layers // config.mesh.pp
-    comm["dp_exposed_s"] = exposed_dp_s(comm["dp_comm_s"], comm["dp_in_scan_s"], layers, busy_layers_s)
+    comm["dp_exposed_s"] = (exposed_dp_s(comm["dp_comm_s"], comm["dp_in_scan_s"], layers, busy_layers_s)
+                            - pipelined_dp_hidden_s(config, comm["dp_grad_reduce_s"], busy_layers_s + bubble_s))
     without_overlap = compute_s + bubble_s + comm["tp_comm_s"] + comm["dp_comm_s"] + comm["pp_comm_s"]
     total = without_overlap - comm["dp_comm_s"] + comm["dp_exposed_s"]
     tokens = config.train.global_batch_size * seq_len(config)

@@ -49,15 +49,18 @@ def _local_count(shapes: dict, axes: dict, divisors: dict) -> int:
 
 def local_params(config: Config) -> dict[str, int]:
     """Parameter counts per device before ZeRO: LLM layers (split over pp and tp), LLM embedding and
-    head (split over tp, replicated over pp), vision encoder + projector (split over vision.tp)."""
+    head (vocabulary-parallel: split over tp, and with a pipeline over pp x tp, as jaxpar.sharding's
+    llm_rules), vision encoder + projector (split over vision.tp)."""
     mesh = config.mesh
     sizes = {"tp": mesh.tp, "pp": mesh.pp}
     llm_div = {axis: sizes[rule] for axis, rule in RULES.items() if rule in sizes}
+    llm_div["vocab"] = mesh.pp * mesh.tp
     if kv_heads_replicated(config.model.n_kv_heads, mesh.tp):  # every rank holds all KV heads
         llm_div["kv_heads"] = 1
     shapes, axes = llama.param_shapes(config.model), llama.param_axes()
     out = {"llm_layers": _local_count({"layers": shapes["layers"]}, axes, llm_div),
            "llm_rest": _local_count({k: v for k, v in shapes.items() if k != "layers"}, axes, llm_div),
+           "llm_head": _local_count({k: shapes[k] for k in llama.HEAD_AXES}, axes, llm_div),  # of llm_rest
            "vision": 0}
     if config.model.kind == "vla":
         vdiv = {"vit_heads": config.vision.tp, "vit_mlp": config.vision.tp}
@@ -137,8 +140,9 @@ def layer_working_set(policy: str, blk: Block, b: int, s: int, c: int) -> float:
 
 
 def head_working_set(config: Config, t: int, c: int) -> float:
-    """The LM head's fp32 logits slice [t, V/tp], its exp and its cotangent, plus the final norm."""
-    return 3 * 4 * t * config.model.vocab_size / config.mesh.tp + 4 * t * config.model.d_model
+    """The LM head's fp32 logits slice [t, V/(pp tp)] (the vocabulary is split over pp x tp), its exp
+    and its cotangent, plus the final norm."""
+    return 3 * 4 * t * config.model.vocab_size / (config.mesh.pp * config.mesh.tp) + 4 * t * config.model.d_model
 
 
 # ----------------------------------------------------------------------------- the estimate
