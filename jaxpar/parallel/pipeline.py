@@ -21,6 +21,15 @@ What makes it cheap:
   of the LM head + loss. The last stage's output is broadcast to all stages (one psum over pp) for
   the head; the head's input cotangent is summed back over pp (one psum). Nothing is replicated pp
   times and no stage computes a whole head.
+- **Each gradient reduced over dp once it is final.** The scans over ticks are cut after the tick
+  that makes a part's gradient final (Schedule.gradients_final): the head after the last loss slot,
+  chunk c of an interleaved pipeline after stage 0's last backward of it, chunk 0 and the
+  embedding after the last tick. Its reduction (a callback: ZeRO decides how) is issued there, so
+  on GPUs the remaining ticks can overlap it: with v chunks, (v-1)/v of the layers' gradients.
+  Without interleaving the layers can only be reduced after the last tick: in lockstep every
+  stage reaches that program point together, and stage 0, whose last backward is the last tick,
+  is on the critical path whatever the others do (Megatron's overlap there, the bucket reductions
+  inside the last microbatch's backward, is not built: it hides at most one chunk backward).
 
 The runtime imports no model: it gets a `StagePieces` (first input, chunk body, head loss).
 """

@@ -8,7 +8,8 @@ table in jaxpar.sharding says which mesh axes). Per stage (DeepSpeed's semantics
 | 0     | nothing                             | one all-reduce after the backward               | -                     |
 | 1     | optimizer state, fp32 master        | one all-reduce; each rank updates its shard     | -                     |
 | 2     | + gradients                         | reduce-scatter per layer inside the backward    | -                     |
-|       |                                     | (grad taps); with a pipeline, once at the end   |                       |
+|       |                                     | (grad taps); with a pipeline, per part once its |                       |
+|       |                                     | gradient is final (jaxpar.parallel.pipeline)    |                       |
 | 3     | + compute-dtype weights             | reduce-scatter per layer (the gather's          | each layer's weights, |
 |       |                                     | transpose)                                      | prefetched one ahead  |
 
@@ -83,12 +84,14 @@ class ZeroPlan:
     @property
     def taps_grads(self) -> bool:
         """ZeRO-2 without a pipeline reduce-scatters per layer inside the backward; with a pipeline,
-        gradients accumulate over microbatches and are reduce-scattered once at the end."""
+        gradients accumulate over microbatches and each part (head, layer chunk, embedding) is
+        reduce-scattered once it is final."""
         return self.stage == 2 and self.dp > 1 and not self.pipelined
 
     @property
     def reduces_after_backward(self) -> bool:
-        """One reduction of all gradients after the backward (stages 0-1, pipelined stage 2)."""
+        """Gradients reduced after their backward (stages 0-1, pipelined stage 2): once, or with a
+        pipeline part by part as the schedule finishes each."""
         return self.dp > 1 and not self.gathers_weights and not self.taps_grads
 
 
