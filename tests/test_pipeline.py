@@ -145,6 +145,9 @@ def ticks_after_each_dp_reduction(config) -> tuple[collections.Counter, int]:
 @pytest.mark.parametrize("virtual,expected,ticks", [(1, {1: 2, 0: 10}, 6), (2, {3: 2, 2: 9, 0: 10}, 12)])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_dp_reductions_are_issued_before_the_ticks_after_their_last_use(virtual, expected, ticks, stage):
+    """v = 2: the second chunk's layer gradients are reduced 2 ticks before the end (reducing every
+    part after the last tick fails here). v = 1 is the control: the layers can only follow the last
+    tick; the head's reduction has the cooldown beside it (the scans pass its accumulator through)."""
     after, scan_ticks = ticks_after_each_dp_reduction(dp_config("1f1b", virtual, stage))
     assert scan_ticks == {ticks}
     assert after == collections.Counter(expected)

@@ -120,12 +120,13 @@ class Pipeline:
         return jax.tree.map(lambda w: jax.lax.dynamic_slice_in_dim(w, chunk * size, size, 0), layers)
 
     def _add_chunk(self, acc, grads, chunk):
-        """Accumulate a chunk's gradients (fp32) into the device's layer accumulator."""
+        """Accumulate a chunk's gradients (fp32) into the device's layer accumulator, which holds the
+        chunks whose gradients are not final yet (0, 1, ...: the top ones leave it as they finish)."""
         if self.v == 1:
             return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        size = jax.tree.leaves(acc)[0].shape[0] // self.v
 
         def add(a, g):
+            size = g.shape[0]
             part = jax.lax.dynamic_slice_in_dim(a, chunk * size, size, 0) + g.astype(jnp.float32)
             return jax.lax.dynamic_update_slice_in_dim(a, part, chunk * size, 0)
         return jax.tree.map(add, acc, grads)
@@ -288,6 +289,8 @@ class Pipeline:
     def _final_at(self) -> dict[int, list[tuple]]:
         """{tick: the gradient parts that are final after it}: ("head",), ("layers", chunk), ("first",)."""
         final, at = self.table.gradients_final(), {}
+        # the accumulator drops its top chunk as it finishes, so chunks must finish from the top down
+        assert list(final["chunks"]) == sorted(final["chunks"], reverse=True), final["chunks"]
         at.setdefault(final["head"], []).append(("head",))
         for chunk, tick in reversed(list(enumerate(final["chunks"]))):
             at.setdefault(tick, []).append(("layers", chunk))
@@ -307,13 +310,17 @@ class Pipeline:
 
     def _reduce_final(self, params, carry, reduced: dict, tick: int) -> dict:
         """Reduce the parts whose gradients are final after `tick` (into `reduced`); weights replicated
-        over pp (the final norm) are summed over stages first. On XLA:CPU the next scan starts only
-        once every one of them is done (`after` on each accumulator: one collective order)."""
+        over pp (the final norm) are summed over stages first. A finished layer chunk leaves the
+        accumulator the later scans carry (it is its top chunk), so its reduction has no buffer
+        beside it. On XLA:CPU the next scan starts only once every reduction is done (`after` on
+        what it carries: one collective order)."""
         grads = carry["grads"]
         for part in self._final_at().get(tick, []):
             name, final = part[0], grads[part[0]]
             if name == "layers":
-                final = self._chunk(final, part[1])
+                size = jax.tree.leaves(params["layers"])[0].shape[0] // self.v
+                final = jax.tree.map(lambda a: a[part[1] * size:(part[1] + 1) * size], grads["layers"])
+                grads = {**grads, "layers": jax.tree.map(lambda a: a[:part[1] * size], grads["layers"])}
             else:
                 final = jax.tree.map(lambda g, w: g if varies_over(w, PP) else jax.lax.psum(g, PP),
                                      final, params[name])
