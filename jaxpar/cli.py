@@ -37,10 +37,14 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tu
 
 
 def main_with_one_line_errors(run: Callable[[list[str]], int], argv: list[str] | None) -> int:
-    """Run an entry point; a ConfigError becomes `jaxpar: error: ...` on one line and exit code 2."""
+    """Run an entry point; a ConfigError becomes `jaxpar: error: ...` on one line and exit code 2. A
+    reader that stops early (`... | head`) ends the output quietly, as for any Unix tool."""
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except ConfigError as err:
         message = " ".join(str(err).splitlines())  # always exactly one line
         print(f"jaxpar: error: {message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        sys.stdout = None  # the interpreter's final flush would raise again
+        return 0

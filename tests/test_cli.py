@@ -253,3 +253,15 @@ def test_only_process_zero_generates_demo_data_under_slurm(monkeypatch, tmp_path
         with pytest.raises(SystemExit):
             train.run(["--config", "llama_tiny.py", "--workdir", str(tmp_path / procid)])
     assert calls == [False, True]
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`python -m jaxpar.plan ... | head -1`: the pipe closes while the planner still prints."""
+    script = ("import sys; from jaxpar.cli import main_with_one_line_errors\n"
+              "def run(argv):\n    for i in range(100000):\n        print('layout', i)\n    return 0\n"
+              "sys.exit(main_with_one_line_errors(run, []))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "layout 0\n"
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and err == ""

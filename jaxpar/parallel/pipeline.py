@@ -100,6 +100,7 @@ class Pipeline:
         each as soon as the schedule table says the part's gradient is final. None: no reduction."""
         self.table, self.pieces, self.varying = schedule, pieces, varying_axes
         self.reduce_dp = reduce_dp or (lambda part, grads: grads)
+        self.final_at = self._final_at()
         self.act_varying = varying_axes + activation_axes  # sequence parallelism: activations vary over tp
         self.p, self.m, self.v = schedule.stages, schedule.microbatches, schedule.virtual
         self.data_axes = tuple(a for a in varying_axes if a != PP)
@@ -300,7 +301,7 @@ class Pipeline:
     def _segments(self) -> list[tuple[str, int, int]]:
         """(kinds, first tick, count): the schedule's phases, cut after every tick that makes a gradient
         final, so its reduction is issued there and the ticks after it can overlap it."""
-        cuts, out = {t + 1 for t in self._final_at()}, []
+        cuts, out = {t + 1 for t in self.final_at}, []
         for phase in self.table.phases:
             start, end = phase.first, phase.first + phase.count
             for cut in sorted(c for c in cuts if start < c < end) + [end]:
@@ -315,7 +316,7 @@ class Pipeline:
         beside it. On XLA:CPU the next scan starts only once every reduction is done (`after` on
         what it carries: one collective order)."""
         grads = carry["grads"]
-        for part in self._final_at().get(tick, []):
+        for part in self.final_at.get(tick, []):
             name, final = part[0], grads[part[0]]
             if name == "layers":
                 size = jax.tree.leaves(params["layers"])[0].shape[0] // self.v

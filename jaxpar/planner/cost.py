@@ -213,20 +213,24 @@ def exposed_dp_s(dp_total: float, dp_in_scan: float, layers: int, compute_s: flo
 
 def pipelined_dp_hidden_s(config: Config, grad_reduce_s: float, layers_executed_s: float) -> float:
     """Seconds of a pipeline's gradient reduction over dp that the rest of the schedule can hide:
-    jaxpar.parallel.pipeline reduces each part once the table says it is final, so the head's runs
-    beside the ticks after the last loss slot, and chunk c of v beside the c p ticks after stage 0's
-    last backward of it; each hides at most those ticks' time (the layers' executed time, spread
-    evenly over the ticks). Chunk 0 and the embedding are final only after the last tick (stage 0),
-    so without interleaving only the head's reduction is hidden."""
+    jaxpar.parallel.pipeline reduces each part once the table says it is final (the head after the
+    last loss slot, chunk c of v after stage 0's last backward of it, chunk 0 and the embedding after
+    the last tick). The parts share the dp link, one after another in that order, each starting when
+    it is final and the link is free; what runs before the last tick ends is hidden (the ticks take
+    the layers' executed time, spread evenly). Without interleaving only the head's is hidden."""
     table = pipeline_table(config)
     if table is None or table.kind == "gpipe" or grad_reduce_s <= 0:
         return 0.0
-    counts, last = local_params(config), table.ticks - 1
+    counts, final = local_params(config), table.gradients_final()
     per_param = grad_reduce_s / (counts["llm_layers"] + counts["llm_rest"])
-    tick_s, final = layers_executed_s / table.ticks, table.gradients_final()
-    hidden = min(per_param * counts["llm_head"], (last - final["head"]) * tick_s)
-    chunk_s = per_param * counts["llm_layers"] / table.virtual
-    return hidden + sum(min(chunk_s, (last - tick) * tick_s) for tick in final["chunks"])
+    tick_s, chunk_params = layers_executed_s / table.ticks, counts["llm_layers"] / table.virtual
+    parts = sorted([(final["head"], counts["llm_head"])] + [(t, chunk_params) for t in final["chunks"]])
+    end, link_free, hidden = table.ticks * tick_s, 0.0, 0.0
+    for tick, params in parts:
+        start = max(link_free, (tick + 1) * tick_s)
+        link_free = start + per_param * params
+        hidden += max(0.0, min(link_free, end) - start)
+    return hidden
 
 
 def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
