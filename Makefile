@@ -30,7 +30,7 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadscope -m slow --ignore=tests/test_learning.py
 	$(MAKE) test-learning
 
-## The proof-of-learning runs (llama_tiny and vla_tiny as shipped; slow tests, about 15 minutes): CI runs them after `make test`.
+## The proof-of-learning runs (llama_tiny and vla_tiny as shipped; slow tests, about 9 minutes): CI runs them last, in `make test-slow`.
 test-learning: $(STAMP)
 	$(BIN)/python -m pytest -q -s -m slow tests/test_learning.py
 

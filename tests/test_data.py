@@ -12,6 +12,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 import tomllib
 
 import grain
@@ -758,3 +759,39 @@ def test_grain_is_a_declared_dependency():
     names = {dep.split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
              for dep in project["dependencies"]}
     assert "grain" in names
+
+
+def test_two_jobs_asking_for_the_same_demo_data_at_once_generate_it_once(tmp_path, monkeypatch):
+    """Two independent jobs (here threads; each opens the directory itself, as two processes would)
+    start on missing demo data together: one generates, the other waits and finds it made."""
+    import threading
+
+    config = demo_config(tmp_path)
+    calls, started = [], threading.Event()
+
+    def slow_generate(config, train, heldout):
+        calls.append(train)
+        started.set()
+        time.sleep(0.5)  # the other job arrives while this one is still writing
+        for d in (train, heldout):
+            d.mkdir(parents=True)
+            (d / "x").write_text("data")
+
+    monkeypatch.setattr(demo, "_generate", slow_generate)
+    errors = []
+
+    def job():
+        try:
+            demo.ensure_demo_data(config)
+        except Exception as err:  # noqa: BLE001 - the test reports whatever a job raised
+            errors.append(err)
+
+    first = threading.Thread(target=job)
+    first.start()
+    started.wait(10)
+    second = threading.Thread(target=job)
+    second.start()
+    first.join(10)
+    second.join(10)
+    assert errors == [] and len(calls) == 1
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["heldout", "train"]

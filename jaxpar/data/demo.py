@@ -5,11 +5,15 @@ llama: Python's own standard library sources (every machine with Python has them
 (data.demo_format=lerobot) as a LeRobot v3.0 dataset (jaxpar.data.lerobot_write).
 Each split is written into a temporary directory and renamed into place when complete, so an
 interrupted generation is never mistaken for data; with several processes, process 0 generates and
-the others wait for the directories to appear.
+the others wait for the directories to appear. Independent jobs on one host that ask for the same
+data at once (two `make run`s, two test suites) take turns on a lock on the data's parent
+directory: the first generates, the others find it made.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pathlib
 import shutil
@@ -54,20 +58,36 @@ def ensure_demo_data(config: Config, is_primary: bool = True) -> None:
     if not is_primary:
         _wait_for(targets)
         return
-    train, heldout = targets
-    if train.exists() or heldout.exists():
-        raise ConfigError(f"data.generate=true: only one of {train} and {heldout} exists; remove it to regenerate both")
-    suffix = f".partial-{os.getpid()}"
-    staging = [t.with_name(t.name + suffix) for t in targets]
-    print(f"generating demo data into {train} and {heldout} (data.generate=true; first use only)")
+    with _exclusive(targets[0].parent):
+        if all(t.exists() for t in targets):  # another job made it while we waited for the lock
+            return
+        train, heldout = targets
+        if train.exists() or heldout.exists():
+            raise ConfigError(f"data.generate=true: only one of {train} and {heldout} exists; remove it to "
+                              "regenerate both")
+        suffix = f".partial-{os.getpid()}"
+        staging = [t.with_name(t.name + suffix) for t in targets]
+        print(f"generating demo data into {train} and {heldout} (data.generate=true; first use only)")
+        try:
+            _generate(config, *staging)
+            for tmp, target in zip(staging, targets):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp.rename(target)
+        finally:
+            for tmp in staging:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _exclusive(directory: pathlib.Path):
+    """An exclusive flock on `directory` itself (no lock file is left behind), held for the block."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        _generate(config, *staging)
-        for tmp, target in zip(staging, targets):
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp.rename(target)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
-        for tmp in staging:
-            shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)  # closing releases the lock
 
 
 def _wait_for(targets: list[pathlib.Path]) -> None:
