@@ -80,11 +80,13 @@ def ensure_demo_data(config: Config, is_primary: bool = True) -> None:
 
 @contextlib.contextmanager
 def _exclusive(directory: pathlib.Path):
-    """An exclusive flock on `directory` itself (no lock file is left behind), held for the block."""
+    """An exclusive flock on `directory` itself (no lock file is left behind), held for the block. On a
+    filesystem without locks it goes on unlocked (as before the lock: one job per data directory)."""
     directory.mkdir(parents=True, exist_ok=True)
     fd = os.open(directory, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing releases the lock
