@@ -14,24 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
 from jaxpar.parallel import zero
 from jaxpar.sharding import is_axes_leaf
-
-
-def after(x: jax.Array, dependency: jax.Array) -> jax.Array:
-    """`x`, usable only once `dependency` is computed: fixes the order of two collectives on XLA:CPU.
-
-    XLA:CPU runs independent ops concurrently and may start two independent collectives in a
-    different order on different devices, which deadlocks (each waits in the other's rendezvous).
-    `lax.optimization_barrier` does not survive its pipeline; this real data dependency does
-    (0 x one element: XLA does not fold float multiplies by zero, for NaN's sake). GPUs (NCCL on
-    ordered streams) do not need it, and there it would serialise sends behind compute, so on any
-    other backend `x` is returned untouched (the backend is known when the step is traced).
-    """
-    if jax.default_backend() != "cpu":
-        return x
-    zero = 0.0 * jax.lax.stop_gradient(dependency).reshape(-1)[0].astype(jnp.float32)
-    return x + zero.astype(x.dtype)
 
 
 def varying_of(aval) -> frozenset:

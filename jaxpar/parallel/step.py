@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 from jaxpar.layers.collectives import Collectives
+from jaxpar.layers.order import after, chain
 from jaxpar.models import llama, vit, vla
 from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import remat, schedule as pipeline_schedule
@@ -62,6 +63,24 @@ class TrainState:
 
 def _is_spec(x) -> bool:
     return isinstance(x, P)
+
+
+def _axes_of(entry) -> tuple:
+    return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
+
+def _gather_axes(source: P, target: P):
+    """(dim, mesh axes) to all-gather an array laid out as `source` into `target`: the one dim where
+    `source` splits over more axes, those axes last in its entry (ZeRO's); None when alike."""
+    source, target = tuple(source) + (None,) * (len(target) - len(source)), tuple(target) + (None,) * (len(source) - len(target))
+    differ = [d for d, (a, b) in enumerate(zip(source, target)) if _axes_of(a) != _axes_of(b)]
+    if not differ:
+        return None
+    (dim,) = differ
+    have, want = _axes_of(source[dim]), _axes_of(target[dim])
+    if have[:len(want)] != want:
+        raise ValueError(f"cannot gather {source} into {target}")
+    return dim, have[len(want):]
 
 
 def _check_host_memory(config: Config, mesh) -> None:
@@ -231,6 +250,7 @@ class StepBuilder:
     def _local_loss_and_grads(self, params, batch):
         """Per-device body of the shard_map: (vision encoder,) the LLM, then the gradient reductions."""
         token_count = self._dp_sum(jnp.sum(batch["mask"]))
+        batch = after(batch, token_count)  # XLA:CPU: the count's dp sum before the model's collectives
         llm_params = {k: v for k, v in params.items() if k not in VISION_KEYS}
         image_tokens = vision_vjp = None
         if self.vision is not None:
@@ -242,7 +262,8 @@ class StepBuilder:
         if vision_vjp is not None:
             (vision_grads,) = vision_vjp(d_image.astype(image_tokens.dtype))
             grads.update(self.vision.reduce_grads(vision_grads, self.grad_reduce_dtype))
-        return self._dp_sum(loss), grads
+        loss = self._dp_sum(after(loss, grads))
+        return loss, after(grads, loss)  # (XLA:CPU) what runs after the shard_map waits for every reduction
 
     def _llm_loss_and_grads(self, params, batch, image_tokens, token_count):
         """Loss, the LLM's local gradients and the cotangent of the image tokens (None without images).
@@ -383,7 +404,7 @@ class StepBuilder:
             master, params = target, jax.tree.map(lambda w: w.astype(self.compute_dtype), target)
         else:
             master, params = None, target
-        params = jax.lax.with_sharding_constraint(params, self._named(self.specs.params))
+        params = self._gather_params(params)
         new_state = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state,
                                skipped=state.skipped + (~finite).astype(state.skipped.dtype))
         metrics = {"loss": loss, "grad_norm": grad_norm,  # optax counts applied updates only: skips don't advance it
@@ -392,6 +413,26 @@ class StepBuilder:
         if with_grads:
             metrics["grads"] = grads
         return new_state, metrics
+
+    def _gather_params(self, params):
+        """The updated weights from the optimizer's layout into the parameters' (ZeRO 1 and 2: an
+        all-gather over dp of each weight), written out in a shard_map so that on XLA:CPU the gathers
+        run one after another (jaxpar.layers.order); a weight laid out alike in both stays as it is."""
+        gathers = jax.tree.map(_gather_axes, self.specs.opt, self.specs.params, is_leaf=_is_spec)
+        if all(g is None for g in jax.tree.leaves(gathers, is_leaf=lambda g: g is None or isinstance(g, tuple))):
+            return jax.lax.with_sharding_constraint(params, self._named(self.specs.params))
+
+        def gather(w, how):
+            if how is None:
+                return w
+            dim, axes = how
+            return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+
+        def local(tree):
+            return chain(gather, tree, gathers)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs.opt,), out_specs=self.specs.params,
+                             check_vma=False)(params)  # all_gather types its result dp-varying; it is not
 
     def jit_train_step(self, with_grads: bool = False):
         state_sh = self.state_shardings()

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.layers.order import after, chain, ordered_both_ways
 from jaxpar.sharding import Rules, is_axes_leaf, llm_rules, tree_specs, unused_mesh_axes, zero_dim
 
 ZERO3_GATHERED = "zero3_gathered"  # checkpoint name of all-gathered ZeRO-3 weights: never saved for backward
@@ -113,8 +114,8 @@ def reduce_gradients(grads, logical_axes, mesh_axes, scatter: bool, rules: Rules
             if dim is None:  # an array ZeRO leaves whole (no ZeRO dim): all-reduced
                 return jax.lax.psum(g.astype(dtype), mesh_axes)
             return jax.lax.psum_scatter(g.astype(dtype), mesh_axes, scatter_dimension=dim, tiled=True)
-        return jax.tree.map(scatter_one, grads, logical_axes)
-    return jax.tree.map(lambda g: jax.lax.psum(g.astype(dtype), mesh_axes), grads)
+        return chain(scatter_one, grads, logical_axes, start=grads)
+    return chain(lambda g: jax.lax.psum(g.astype(dtype), mesh_axes), grads, start=grads)
 
 
 def _scatter(cotangent: jax.Array, axis, dim: int, reduce_dtype) -> jax.Array:
