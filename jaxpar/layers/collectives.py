@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
+from jaxpar.layers.order import chain_both_ways, ordered_both_ways
 from jaxpar.parallel import zero
 from jaxpar.sharding import is_axes_leaf
 
@@ -112,7 +113,16 @@ class Collectives:
     def tp_rank(self) -> jax.Array:
         return jax.lax.axis_index(self.tp_axis) if self.tp_axis else jnp.int32(0)
 
-    def gather_weights(self, params: Any, logical_axes: Any) -> Any:
+    def use_weights(self, x: Any, params: Any, logical_axes: Any) -> tuple[Any, Any]:
+        """(x, weights): `gather_weights` of `params` for a computation on `x`, in one collective
+        order on XLA:CPU (jaxpar.layers.order): the weights' gathers after `x` is computed and before
+        the computation's own collectives; in the backward the weights' gradient reductions (and
+        the tp sums of gradients of weights replicated over tp) after the computation's input
+        gradient, and before that gradient flows on."""
+        weights = self.gather_weights(params, logical_axes, start=x)
+        return ordered_both_ways(x, weights), weights
+
+    def gather_weights(self, params: Any, logical_axes: Any, start: Any = None) -> Any:
         """The weights to compute with, right before use.
 
         ZeRO-3: all-gather the dp-sharded weights. ZeRO-2: each weight comes as a pair (full weight,
@@ -120,19 +130,22 @@ class Collectives:
         ever holds its whole unreduced gradient. Otherwise the identity.
         """
         if self.zero2_axis:
-            def use(axes, pair):
+            def use(pair, axes):
                 full, shard = pair
                 dim = axes.index(self.zero_logical_axis)
                 return zero.grad_tap(self.zero2_axis, dim, self.grad_reduce_dtype)(full, shard)
-            return jax.tree.map(use, logical_axes, params, is_leaf=is_axes_leaf)
+            axes_leaves, structure = jax.tree.flatten(logical_axes, is_leaf=is_axes_leaf)
+            pairs = [tuple(pair) for pair in structure.flatten_up_to(params)]
+            return structure.unflatten(chain_both_ways(use, pairs, axes_leaves, start=start,
+                                                      is_leaf=lambda v: isinstance(v, tuple)))
         if not self.zero3_axis:
-            return params
+            return params if start is None else ordered_both_ways(params, start)
 
         def gather(w, axes):
             full = zero.gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis), self.grad_reduce_dtype)(w)
             return checkpoint_name(full, zero.ZERO3_GATHERED)
 
-        return jax.tree.map(gather, params, logical_axes)
+        return chain_both_ways(gather, params, logical_axes, start=start)
 
     def scan_layers(self, layer_fn: Callable, x: jax.Array, stacked: Any, layer_axes: Any,
                     remat_policy: Callable | None = None) -> jax.Array:
@@ -145,7 +158,8 @@ class Collectives:
                                                self.zero_logical_axis, self.grad_reduce_dtype)
 
         def body(x, weights):
-            return layer_fn(x, self.gather_weights(weights, layer_axes)), None
+            x, weights = self.use_weights(x, weights, layer_axes)
+            return layer_fn(x, weights), None
 
         if remat_policy is not None:
             body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)

@@ -103,13 +103,14 @@ def run_layers(x_BxSxD: jax.Array, layers: dict, cfg: ModelConfig, coll: Collect
 
 
 def embed_tokens(params: dict, ids_BxS: jax.Array, coll: Collectives) -> jax.Array:
-    table = coll.gather_weights(params["embed"], EMBED_AXES)
+    ids_BxS, table = coll.use_weights(ids_BxS, params["embed"], EMBED_AXES)
     return vocab_parallel.embed(table, ids_BxS, coll)
 
 
 def head_logits(params: dict, x_BxSxD: jax.Array, cfg: ModelConfig, coll: Collectives) -> jax.Array:
     """Final norm + vocab-parallel LM head: this rank's [B, S, V/tp] slice of fp32 logits."""
-    head = coll.gather_weights({k: params[k] for k in HEAD_AXES}, HEAD_AXES)
+    # XLA:CPU, one order: the head's weight gradients (and their reductions) before the layers' backward
+    x_BxSxD, head = coll.use_weights(x_BxSxD, {k: params[k] for k in HEAD_AXES}, HEAD_AXES)
     x_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, head["final_norm"], cfg.norm_eps))
     return jnp.einsum("bsd,dv->bsv", x_BxSxD, head["lm_head"], preferred_element_type=jnp.float32)
 
