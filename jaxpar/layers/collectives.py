@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
-from jaxpar.layers.order import chain_both_ways, ordered_both_ways
+from jaxpar.layers.order import chain_both_ways, cotangent_after, ordered_both_ways
 from jaxpar.parallel import zero
 from jaxpar.sharding import is_axes_leaf
 
@@ -159,7 +159,7 @@ class Collectives:
 
         def body(x, weights):
             x, weights = self.use_weights(x, weights, layer_axes)
-            return layer_fn(x, weights), None
+            return cotangent_after(layer_fn(x, weights), weights), None
 
         if remat_policy is not None:
             body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)

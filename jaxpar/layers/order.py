@@ -20,7 +20,9 @@ expands barriers away before scheduling. So jaxpar orders every pair with a real
 * `chain(fn, *trees)` applies a collective `fn` leaf by leaf, each leaf's input after the previous
   leaf's result: one order for a tree of gradient reductions or weight gathers.
 * `ordered_both_ways(x, dep)` also orders the backward: the cotangent of `dep` waits for the
-  cotangent of `x`, so the transposed collectives run in the reverse order of the forward ones.
+  cotangent of `x`, so the transposed collectives run in the reverse order of the forward ones;
+  `chain_both_ways` chains a tree so.
+* `cotangent_after(y, dep)`: the backward uses `y`'s cotangent only once `dep` is (re)computed.
 
 All three are the identity off the CPU backend: NCCL runs each device's collectives on ordered
 streams, and a dependency there would only serialise communication behind compute. The backend is
@@ -130,7 +132,7 @@ def after(x: Any, *dependencies: Any) -> Any:
     values and type unchanged. The identity where collectives keep their freedom (GPUs)."""
     if not ordering_on():
         return x
-    deps = [jax.lax.stop_gradient(d) for d in _arrays(dependencies) if d.size]
+    deps = [d for d in _arrays(dependencies) if d.size]  # no stop_gradient: a remat policy would save it
     if not deps:
         return x
     leaves, treedef = jax.tree.flatten(x)
@@ -193,6 +195,24 @@ def ordered_both_ways(x: Any, dependency: Any) -> Any:
 
     order.defvjp(forward, backward)
     return order(x, dependency)
+
+
+def cotangent_after(y: Any, dependency: Any) -> Any:
+    """`y`, whose cotangent is used only once `dependency` is computed in the backward: under remat
+    the backward recomputes `dependency` (e.g. a layer's weights, all-gathered again), and these
+    collectives then come before the ones the layer's backward runs on its cotangent."""
+    if not ordering_on():
+        return y
+
+    @jax.custom_vjp
+    def wait(y, dep):
+        return y
+
+    def backward(dep, cotangent):
+        return after(cotangent, dep), jax.tree.map(lambda d: None, dep)
+
+    wait.defvjp(lambda y, dep: (y, dep), backward)
+    return wait(y, dependency)
 
 
 def _zero_cotangent(primal, cotangent):

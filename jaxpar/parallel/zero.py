@@ -34,7 +34,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.layers.order import after, chain, ordered_both_ways
+from jaxpar.layers.order import after, after_p, chain, ordered_both_ways
 from jaxpar.sharding import Rules, is_axes_leaf, llm_rules, tree_specs, unused_mesh_axes, zero_dim
 
 ZERO3_GATHERED = "zero3_gathered"  # checkpoint name of all-gathered ZeRO-3 weights: never saved for backward
@@ -163,6 +163,8 @@ def never_keep_gathered(base: Callable | None) -> Callable:
     def policy(prim, *args, **params):
         if prim is jax.lax.all_gather_p or (prim.name == "name" and params.get("name") == ZERO3_GATHERED):
             return False
+        if prim is after_p or prim.name.startswith("custom_vjp_call"):
+            return False  # the ordering dependencies are recomputed, so regathers keep one order (layers.order)
         return True if base is None else base(prim, *args, **params)
 
     return policy
