@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.layers.collectives import after, varying_of
+from jaxpar.layers.collectives import varying_of
+from jaxpar.layers.order import after, chain, ordered_both_ways
 from jaxpar.parallel.residuals import InputStash, ResidualStash
 from jaxpar.parallel.schedule import IDLE, Schedule
 
@@ -241,6 +242,10 @@ class Pipeline:
                 carry = {**carry, "recv_fwd": jax.lax.ppermute(y if dx is None else after(y, dx), PP, self.send_next)}
             if dx is not None:
                 carry = {**carry, "recv_bwd": jax.lax.ppermute(after(dx, carry["recv_fwd"]), PP, self.send_prev)}
+            # XLA:CPU: the next tick's collectives wait for both sends, and a send whose buffer no later
+            # tick reads stays live (XLA would drop the buffer but keep the collective, unordered)
+            recv_fwd = after(carry["recv_fwd"], carry["recv_bwd"])
+            carry = {**carry, "recv_fwd": recv_fwd, "loss": after(carry["loss"], recv_fwd)}
             return carry, None
         return tick
 
@@ -316,18 +321,23 @@ class Pipeline:
         beside it. On XLA:CPU the next scan starts only once every reduction is done (`after` on
         what it carries: one collective order)."""
         grads = carry["grads"]
-        for part in self.final_at.get(tick, []):
+        parts = self.final_at.get(tick, [])
+        for part in parts:
             name, final = part[0], grads[part[0]]
             if name == "layers":
                 size = jax.tree.leaves(params["layers"])[0].shape[0] // self.v
                 final = jax.tree.map(lambda a: a[part[1] * size:(part[1] + 1) * size], grads["layers"])
                 grads = {**grads, "layers": jax.tree.map(lambda a: a[:part[1] * size], grads["layers"])}
-            else:
-                final = jax.tree.map(lambda g, w: g if varies_over(w, PP) else jax.lax.psum(g, PP),
-                                     final, params[name])
+            # after the tick's sends and the reduction issued before it (one collective order on XLA:CPU)
+            final = after(final, carry["recv_fwd"], carry["recv_bwd"], reduced[list(reduced)[-1]] if reduced else None)
+            if name != "layers":
+                final = chain(lambda g, w: g if varies_over(w, PP) else jax.lax.psum(g, PP), final, params[name],
+                              start=final)
             reduced[part] = self.reduce_dp(name, final)
-            grads = {**grads, name: jax.tree.map(after, grads[name], reduced[part])}
-        return {**carry, "grads": grads}
+        carry = {**carry, "grads": grads}
+        if parts:  # the ticks after it start once the reductions are done (XLA:CPU)
+            carry = after(carry, reduced[list(reduced)[-1]])
+        return carry
 
     # --------------------------------------------------------------- forward only: GPipe and evaluation
     def _forward_phases(self) -> list[tuple[bool, int, int]]:
@@ -359,7 +369,8 @@ class Pipeline:
                     data_mb = ctx["data_at"](jnp.maximum(row["L"], 0))
                     out = head_fn(ctx["head"], self._broadcast_last(y), data_mb)
                     sums = jax.tree.map(lambda s, o: s + weight * o, sums, out)
-                    y = after(y, sum(jax.tree.leaves(sums)))  # the head's collectives come before the send
+                    # the head's collectives before the send; in the backward, after the send's transpose
+                    y = ordered_both_ways(y, sums)
                 return {"recv": jax.lax.ppermute(y, PP, self.send_next), "sums": sums}, None
             return tick
 
@@ -381,7 +392,10 @@ class Pipeline:
             return self.forward_sums(p, micro, e, self.pieces.head_loss, zero)
 
         loss, (grads, d_extra) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, extra)
-        return loss, {part: self.reduce_dp(part, g) for part, g in grads.items()}, d_extra
+        reduced = {}
+        for part, g in grads.items():  # one after another (XLA:CPU)
+            reduced[part] = self.reduce_dp(part, after(g, list(reduced.values())))
+        return loss, reduced, d_extra
 
 
 # ------------------------------------------------------------------- layer order of interleaved stages

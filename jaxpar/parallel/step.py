@@ -31,12 +31,13 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
-from jaxpar.layers.collectives import Collectives
+from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
 from jaxpar.models import llama, vit, vla
 from jaxpar.optim import lr_schedule, make_optimizer
@@ -364,22 +365,44 @@ class StepBuilder:
         return jax.lax.psum(x, DP) if self.dp_axis else x
 
     def loss_and_grads(self, params, batch):
-        """Global mean token loss and gradients (laid out as ZeRO's gradient specs)."""
-        fn = jax.shard_map(self._local_loss_and_grads, mesh=self.mesh,
-                           in_specs=(self.specs.params, self.batch_spec), out_specs=(P(), self.specs.grads))
+        """Global mean token loss, gradients (laid out as ZeRO's gradient specs) and their global L2 norm."""
+        def local(params, batch):
+            loss, grads = self._local_loss_and_grads(params, batch)
+            return loss, grads, self._global_norm(grads)
+
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs.params, self.batch_spec),
+                           out_specs=(P(), self.specs.grads, P()))
         return fn(params, batch)
+
+    def _global_norm(self, grads):
+        """The L2 norm of the whole gradient, in fp32, in one all-reduce over the mesh: each device's sum
+        of squares of the shards it holds, each divided by the number of devices holding the same shard
+        (a power of two, so exact). Computed here rather than by the partitioner after the shard_map,
+        which issues one unordered all-reduce per group of mesh axes (jaxpar.layers.order)."""
+        axes = tuple(name for name, size in self.mesh.shape.items() if size > 1)
+        total = None
+        for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(self.specs.grads, is_leaf=_is_spec)):
+            split = {a for entry in spec for a in _axes_of(entry)}
+            copies = self.mesh.size // max(1, int(np.prod([self.mesh.shape[a] for a in split])))
+            part = jnp.sum(jnp.square(g.astype(jnp.float32))) / copies
+            total = part if total is None else total + part
+        total = after(total, grads)
+        if axes:
+            total = jax.lax.psum(jax.lax.pcast(total, tuple(a for a in axes if a not in varying_of(jax.typeof(total))),
+                                               to="varying"), axes)
+        return jnp.sqrt(total)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, state: TrainState, batch: dict, with_grads: bool = False):
         """One optimizer step; `with_grads` also returns the gradients (for the equivalence tests)."""
-        loss, grads = self.loss_and_grads(state.params, batch)
+        loss, grads, grad_norm = self.loss_and_grads(state.params, batch)
         # Each dp rank updates only its optimizer shard: slice (ZeRO-1) before widening to fp32.
         grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.opt))
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         if self.config.debug.nan_at_step:  # test hook for the NaN guard
             poison = jnp.where(state.step + 1 == self.config.debug.nan_at_step, jnp.nan, 0.0)
             grads = jax.tree.map(lambda g: g + poison, grads)
-        grad_norm = optax.tree.norm(grads)
+            grad_norm = grad_norm + poison
         if self.config.offload.optimizer:  # host -> device for the update only; outputs go back to host
             on_device = self.state_shardings(on_device=True)
             state = state.replace(opt_state=jax.device_put(state.opt_state, on_device.opt_state),
