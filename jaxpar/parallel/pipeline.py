@@ -157,7 +157,8 @@ class Pipeline:
         together, for stage 0's microbatch), else what the previous virtual stage sent."""
         stage = jax.lax.axis_index(PP)
         first_mb = jnp.maximum(row["F"][0], 0)
-        x0 = self.pieces.first_input(ctx["first"], ctx["extra_at"](first_mb), ctx["data_at"](first_mb))
+        data = after(ctx["data_at"](first_mb), received)  # its collectives after the last tick's sends (XLA:CPU)
+        x0 = self.pieces.first_input(ctx["first"], ctx["extra_at"](first_mb), data)
         return jnp.where((stage == 0) & (row["Fc"][stage] == 0), x0, received)
 
     def _forward_slot(self, ctx, carry, row):
@@ -178,7 +179,7 @@ class Pipeline:
         loss, pullback = jax.vjp(lambda h, t: self.pieces.head_loss(h, t, data_mb), ctx["head"],
                                  self._broadcast_last(y))
         d_head, dy_partial = pullback(weight)
-        dy = jax.lax.psum(dy_partial, PP)  # the head's input cotangent, summed over its vocabulary shards
+        dy = jax.lax.psum(after(dy_partial, loss), PP)  # after the loss's own collectives (XLA:CPU)  # the head's input cotangent, summed over its vocabulary shards
         grads = {**carry["grads"], "head": self._add(carry["grads"]["head"], d_head)}
         return dy, {**carry, "grads": grads, "loss": carry["loss"] + weight * loss}
 
@@ -210,7 +211,7 @@ class Pipeline:
         carry = {**carry, "grads": grads}
         if d_extra is not None:
             carry["d_extra"] = carry["d_extra"].at[index].add(d_extra.astype(jnp.float32))
-        return dx, carry
+        return after(dx, dx0), carry  # the send of dx after dx0's sum (XLA:CPU)
 
     def _weight_slot(self, ctx, carry, row, dependency):
         """W (zb): the weight gradients of a chunk whose B ran earlier, from its residuals and the output
@@ -329,7 +330,7 @@ class Pipeline:
                 final = jax.tree.map(lambda a: a[part[1] * size:(part[1] + 1) * size], grads["layers"])
                 grads = {**grads, "layers": jax.tree.map(lambda a: a[:part[1] * size], grads["layers"])}
             # after the tick's sends and the reduction issued before it (one collective order on XLA:CPU)
-            final = after(final, carry["recv_fwd"], carry["recv_bwd"], reduced[list(reduced)[-1]] if reduced else None)
+            final = after(final, carry, reduced[list(reduced)[-1]] if reduced else None)
             if name != "layers":
                 final = chain(lambda g, w: g if varies_over(w, PP) else jax.lax.psum(g, PP), final, params[name],
                               start=final)
