@@ -178,8 +178,8 @@ class Pipeline:
         data_mb = ctx["data_at"](jnp.maximum(mb, 0))
         loss, pullback = jax.vjp(lambda h, t: self.pieces.head_loss(h, t, data_mb), ctx["head"],
                                  self._broadcast_last(y))
-        d_head, dy_partial = pullback(weight)
-        dy = jax.lax.psum(after(dy_partial, loss), PP)  # after the loss's own collectives (XLA:CPU)  # the head's input cotangent, summed over its vocabulary shards
+        d_head, dy_partial = pullback(after(weight, loss))  # after the loss's own collectives (XLA:CPU)
+        dy = jax.lax.psum(dy_partial, PP)  # the head's input cotangent, summed over its vocabulary shards
         grads = {**carry["grads"], "head": self._add(carry["grads"]["head"], d_head)}
         return dy, {**carry, "grads": grads, "loss": carry["loss"] + weight * loss}
 

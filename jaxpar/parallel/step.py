@@ -257,11 +257,13 @@ class StepBuilder:
         if self.vision is not None:
             image_tokens, vision_vjp = self.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
                                                            vla.instruction_ids(batch, self.config))
+        if image_tokens is not None:  # (XLA:CPU) the LLM's collectives after the encoder's
+            batch = after(batch, image_tokens)
         loss, grads, d_image = self._llm_loss_and_grads(llm_params, batch, image_tokens, token_count)
         if self.mesh.shape["pp"] == 1:  # the pipeline reduced each part already
             grads = self._reduce_grads_over_dp(grads)
-        if vision_vjp is not None:
-            (vision_grads,) = vision_vjp(d_image.astype(image_tokens.dtype))
+        if vision_vjp is not None:  # (XLA:CPU) the encoder's backward after the LLM's reductions
+            (vision_grads,) = vision_vjp(after(d_image.astype(image_tokens.dtype), grads))
             grads.update(self.vision.reduce_grads(vision_grads, self.grad_reduce_dtype))
         loss = self._dp_sum(after(loss, grads))
         return loss, after(grads, loss)  # (XLA:CPU) what runs after the shard_map waits for every reduction
