@@ -49,15 +49,17 @@ def test_layer_all_reduces_become_reduce_scatter_all_gather_and_temp_falls():
     row-parallel sums incl. the embedding; backward: the transposes of the 2L + 1 gathers) or an
     all-gather (the 2L block inputs and the head's, and their transposes), moving the same bytes; the
     all-reduces left are the loss scalars and the norm weights' gradients (2L + 1 of them, now computed
-    on sequence shards)."""
+    on sequence shards). Both have one more all-reduce, of one scalar: the global gradient norm
+    (over every mesh axis > 1, here tp alone)."""
     config = make_config(tp=4, seq_len=64, global_batch_size=8)
     base, sp = (dry_run(c, builder_for(c).mesh) for c in (config, with_sp(config)))
     layers, loss_scalars = config.model.n_layers, 3
     activation = 8 * 64 * config.model.d_model * 4  # bytes of one [B, S, D] f32 activation on a tp rank
     base_ops, sp_ops = _tp_ops(base), _tp_ops(sp)
-    assert base_ops == {("all-reduce", "tp"): 4 * layers + 2 + loss_scalars}
+    grad_norm = 1
+    assert base_ops == {("all-reduce", "tp"): 4 * layers + 2 + loss_scalars + grad_norm}
     assert sp_ops == {("reduce-scatter", "tp"): 2 * (2 * layers + 1), ("all-gather", "tp"): 2 * (2 * layers + 1),
-                      ("all-reduce", "tp"): loss_scalars + 2 * layers + 1}
+                      ("all-reduce", "tp"): loss_scalars + 2 * layers + 1 + grad_norm}
     moved = sum(e["bytes"] for e in sp["collectives_requested"] if e["axis"] == "tp" and e["op"] != "all-reduce")
     assert moved == 2 * (4 * layers + 2) * activation  # = the base's activation all-reduces, each one RS + one AG
     assert sp["per_device_bytes"]["temp"] < 0.85 * base["per_device_bytes"]["temp"]
