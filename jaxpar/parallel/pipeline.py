@@ -220,9 +220,11 @@ class Pipeline:
         mb, chunk, slot = row["W"][stage], row["Wc"][stage], jnp.maximum(row["Ws"][stage], 0)
         cot = after(carry["cot_stash"][slot], dependency) * (mb >= 0).astype(dependency.dtype)
         acts = [buf[slot] for buf in carry["stash"]]
-        d_chunk, _ = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
+        d_chunk, dx = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
         grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk)}
-        return {**carry, "grads": grads}
+        # XLA:CPU keeps the unused dx's tp sum (a collective) and drops its result: tie it to the carry
+        # so it stays ordered before the next tick's collectives
+        return {**carry, "grads": grads, "recv_fwd": after(carry["recv_fwd"], dx)}
 
     def _tick(self, ctx, kinds: str):
         act_shape, act_dtype = ctx["act"]
@@ -236,13 +238,14 @@ class Pipeline:
                 dy, carry = self._loss_slot(ctx, carry, y, row)
             if "B" in kinds:
                 dx, carry = self._backward_slot(ctx, carry, row, dy, y)
-            if "W" in kinds:
-                carry = self._weight_slot(ctx, carry, row, dx if dx is not None else dy)
             # Pin one order of the two sends on every device: after this tick's compute (XLA:CPU).
             if y is not None:
                 carry = {**carry, "recv_fwd": jax.lax.ppermute(y if dx is None else after(y, dx), PP, self.send_next)}
             if dx is not None:
                 carry = {**carry, "recv_bwd": jax.lax.ppermute(after(dx, carry["recv_fwd"]), PP, self.send_prev)}
+            if "W" in kinds:  # last in the tick (XLA:CPU order): after the sends
+                last = carry["recv_bwd"] if dx is not None else carry["recv_fwd"] if y is not None else dy
+                carry = self._weight_slot(ctx, carry, row, last)
             # XLA:CPU: the next tick's collectives wait for both sends, and a send whose buffer no later
             # tick reads stays live (XLA would drop the buffer but keep the collective, unordered)
             recv_fwd = after(carry["recv_fwd"], carry["recv_bwd"])

@@ -192,11 +192,14 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
     dims = jax.tree.map(lambda axes: axes.index(zero_logical), layer_axes, is_leaf=is_axes_leaf)
     n_layers = jax.tree.leaves(stacked_shards)[0].shape[0]
 
-    def gather(shards, i):
-        return jax.tree.map(lambda w, d: jax.lax.all_gather(w, axis, axis=d, tiled=True), _layer(shards, i), dims)
+    # On XLA:CPU every collective below runs in one order (jaxpar.layers.order): each group of gathers
+    # or scatters is chained after what came before it, and each layer's compute after both.
+    def gather(shards, i, start):
+        return chain(lambda w, d: jax.lax.all_gather(w, axis, axis=d, tiled=True), _layer(shards, i), dims,
+                     start=start)
 
-    def scatter(full_grads):
-        return jax.tree.map(lambda g, d: _scatter(g, axis, d, reduce_dtype), full_grads, dims)
+    def scatter(full_grads, start):
+        return chain(lambda g, d: _scatter(g, axis, d, reduce_dtype), full_grads, dims, start=start)
 
     @jax.custom_vjp
     def scan(x, shards):
@@ -205,38 +208,41 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
     def forward(x, shards):
         def body(carry, i):
             x, weights = carry
-            upcoming = gather(shards, i + 1)  # issued before this layer's compute, independent of it
-            return (layer_fn(x, weights), upcoming), x
+            upcoming = gather(shards, i + 1, start=(x, weights))  # issued before this layer's compute
+            return (layer_fn(after(x, upcoming), weights), upcoming), x
 
-        (x_last, weights), inputs = jax.lax.scan(body, (x, gather(shards, 0)), jnp.arange(n_layers - 1))
+        (x_last, weights), inputs = jax.lax.scan(body, (x, gather(shards, 0, start=x)), jnp.arange(n_layers - 1))
         return layer_fn(x_last, weights), (_stack_last(inputs, x_last), shards)
 
     def backward(residuals, g):
         inputs, shards = residuals
 
         def differentiate(i, weights, g):
-            _, pullback = jax.vjp(layer_fn, jax.lax.dynamic_index_in_dim(inputs, i, keepdims=False), weights)
+            x_i = after(jax.lax.dynamic_index_in_dim(inputs, i, keepdims=False), g)  # recompute after g's deps
+            _, pullback = jax.vjp(layer_fn, x_i, weights)
             return pullback(g)
 
-        weights = gather(shards, n_layers - 1)
+        weights = gather(shards, n_layers - 1, start=g)
         if n_layers == 1:
-            g, d_weights = differentiate(0, weights, g)
-            return g, jax.tree.map(lambda s: s[None], scatter(d_weights))
-        upcoming = gather(shards, n_layers - 2)
-        g, pending = differentiate(n_layers - 1, weights, g)
+            g, d_weights = differentiate(0, weights, after(g, weights))
+            done_0 = scatter(d_weights, start=(g, d_weights))
+            return after(g, done_0), jax.tree.map(lambda s: s[None], done_0)
+        upcoming = gather(shards, n_layers - 2, start=weights)
+        g, pending = differentiate(n_layers - 1, weights, after(g, upcoming))
 
         def body(carry, i):  # i = n_layers - 2 .. 1
             g, weights, pending = carry
-            upcoming = gather(shards, i - 1)
-            done = scatter(pending)  # layer i + 1's gradient, reduced while layer i is differentiated
-            g, d_weights = differentiate(i, weights, g)
+            upcoming = gather(shards, i - 1, start=(g, pending))
+            done = scatter(pending, start=upcoming)  # layer i + 1's gradient, reduced while layer i is differentiated
+            g, d_weights = differentiate(i, weights, after(g, done))
             return (g, upcoming, d_weights), done
 
         (g, weights, pending), done = jax.lax.scan(body, (g, upcoming, pending), jnp.arange(1, n_layers - 1),
                                                    reverse=True)
-        done_1 = scatter(pending)
-        g, d_weights_0 = differentiate(0, weights, g)
-        return g, _stack(scatter(d_weights_0), _stack(done_1, done))
+        done_1 = scatter(pending, start=(g, pending))
+        g, d_weights_0 = differentiate(0, weights, after(g, done_1))
+        done_0 = scatter(d_weights_0, start=(g, d_weights_0))
+        return after(g, done_0), _stack(done_0, _stack(done_1, done))  # what follows waits for the scatters
 
     scan.defvjp(forward, backward)
     return scan(x, stacked_shards)
