@@ -12,8 +12,8 @@ expands barriers away before scheduling. So jaxpar orders every pair with a real
 * `after(x, *deps)` is `x`, bit for bit (NaN, inf, -0 and integers included), computed only once
   `deps` are. It is a primitive of its own (`after_p`), lowered to `x - z` where `z` is +0.0 derived
   from one element of each dependency as `select(t == t, |t|, 0)` with `t = d * 0`: +0.0 for every
-  value of `d` (t is +-0 or NaN), which XLA cannot fold, and `x - (+0)` is `x` for every `x`
-  (-0 - +0 = -0; integers subtract an integer 0; booleans or with false). As a primitive it keeps
+  value of `d` (t is +-0 or NaN), which XLA cannot fold; `x - 0` is then computed on `x`'s bits as
+  unsigned integers (float arithmetic on XLA:CPU would flush subnormals), booleans or with false. As a primitive it keeps
   `x`'s type: a shard_map value stays invariant over the mesh axes it was invariant over, whatever
   the dependency varies over (arithmetic on the two would make it varying). Its JVP passes tangents
   through, so it costs nothing in the backward.
@@ -22,7 +22,8 @@ expands barriers away before scheduling. So jaxpar orders every pair with a real
 * `ordered_both_ways(x, dep)` also orders the backward: the cotangent of `dep` waits for the
   cotangent of `x`, so the transposed collectives run in the reverse order of the forward ones;
   `chain_both_ways` chains a tree so.
-* `cotangent_after(y, dep)`: the backward uses `y`'s cotangent only once `dep` is (re)computed.
+* `cotangent_after(y, dep)`: the backward uses `y`'s cotangent only once `dep` is (re)computed;
+  `cotangent_summed(y)`: only once all of it is summed.
 
 All three are the identity off the CPU backend: NCCL runs each device's collectives on ordered
 streams, and a dependency there would only serialise communication behind compute. The backend is
@@ -83,11 +84,20 @@ def _exact_zero(deps) -> jax.Array:
     return zero
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
 def _apply(x: jax.Array, zero: jax.Array) -> jax.Array:
+    """`x - 0` on its bits: floating-point arithmetic on XLA:CPU flushes subnormals to zero, integer
+    arithmetic changes nothing."""
     if x.size == 0:
         return x
     if x.dtype == jnp.bool_:
         return x | zero.astype(jnp.bool_)
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize in _UINT:
+        unsigned = _UINT[x.dtype.itemsize]
+        raw = jax.lax.bitcast_convert_type(x, unsigned) - zero.astype(unsigned)
+        return jax.lax.bitcast_convert_type(raw, x.dtype)
     return x - zero.astype(x.dtype)
 
 
@@ -213,6 +223,21 @@ def cotangent_after(y: Any, dependency: Any) -> Any:
 
     wait.defvjp(lambda y, dep: (y, dep), backward)
     return wait(y, dependency)
+
+
+def cotangent_summed(y: Any) -> Any:
+    """`y`, whose backward starts only once its whole cotangent is summed: a `y` used twice (a pipeline
+    tick's output, sent on and fed to the head) otherwise lets XLA start the backward on one part of
+    the cotangent, its collectives unordered with those that compute the other part."""
+    if not ordering_on():
+        return y
+
+    @jax.custom_vjp
+    def summed(y):
+        return y
+
+    summed.defvjp(lambda y: (y, None), lambda _, cotangent: (after(cotangent, cotangent),))
+    return summed(y)
 
 
 def _zero_cotangent(primal, cotangent):

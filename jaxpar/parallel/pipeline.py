@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.layers.collectives import varying_of
-from jaxpar.layers.order import after, chain, ordered_both_ways
+from jaxpar.layers.order import after, chain, cotangent_summed, ordered_both_ways
 from jaxpar.parallel.residuals import InputStash, ResidualStash
 from jaxpar.parallel.schedule import IDLE, Schedule
 
@@ -367,6 +367,7 @@ class Pipeline:
             def tick(carry, row):
                 chunk = row["Fc"][jax.lax.axis_index(PP)]
                 y = self.pieces.body(self._chunk(ctx["layers"], chunk), self._stage_input(ctx, carry["recv"], row))
+                y = cotangent_summed(y) if with_loss else y  # used by the head and the send (XLA:CPU order)
                 sums = carry["sums"]
                 if with_loss:
                     weight = (row["L"] >= 0).astype(jnp.float32)
