@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import hlo
 from jaxpar.config import Config, to_dict
+from jaxpar.files import write_atomic
 from jaxpar.models import llama, vit
 from jaxpar.metrics import model_flops_per_step
 from jaxpar.parallel.step import VISION_KEYS, StepBuilder
@@ -190,7 +191,4 @@ def _layout_text(component: dict) -> str:
 
 
 def write_report(report: dict, workdir: pathlib.Path) -> pathlib.Path:
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / "dry_run.json"
-    path.write_text(json.dumps(report, indent=2))
-    return path
+    return write_atomic(workdir / "dry_run.json", json.dumps(report, indent=2))

@@ -13,6 +13,7 @@ exits at once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
@@ -34,6 +35,7 @@ from jaxpar.metrics import MetricsWriter, mfu, model_flops_per_step, peak_flops_
 from jaxpar.parallel.evaluate import Evaluator, metrics_from_sums
 from jaxpar.parallel.step import StepBuilder
 from jaxpar.profiling import StepProfiler
+from jaxpar.watchdog import CPU_STUCK_S, StepWatchdog
 
 SPIKE_WINDOW = 50  # logged losses in the running window of the spike detector
 SPIKE_SIGMAS = 3.0
@@ -109,10 +111,10 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
                             mesh.size, start)
         evaluation = Evaluation(config, builder, logger) if has_evaluation(config) else None
         profiler = StepProfiler(profile_steps(config), workdir, announce=tqdm.write if is_main else lambda _: None)
-        with Preemption() as preemption:
+        with Preemption() as preemption, _watchdog(mesh, checkpoints) as watchdog:
             try:
                 step = _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation,
-                                  profiler)
+                                  profiler, watchdog)
             finally:
                 profiler.close()
                 progress.close()
@@ -124,8 +126,15 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
     return logger.records
 
 
+def _watchdog(mesh, checkpoints: Checkpointer):
+    """On an emulated CPU mesh, a run whose step no longer finishes ends with one line (jaxpar.watchdog)."""
+    if mesh.devices.flat[0].platform != "cpu" or mesh.size == 1:
+        return contextlib.nullcontext()
+    return StepWatchdog(CPU_STUCK_S, f"checkpoints in {checkpoints.directory}; rerun the command to resume")
+
+
 def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation,
-               profiler: StepProfiler) -> int:
+               profiler: StepProfiler, watchdog: StepWatchdog | None = None) -> int:
     """The step loop; returns the last step run. Ends with a checkpoint of the last step (at the end,
     on preemption, or on a train.on_nan=stop), unless that step was just checkpointed, and, when the
     run reached train.steps, an evaluation of it."""
@@ -136,6 +145,8 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
             with profiler.annotate(step + 1):
                 state, metrics = step_fn(state, data.next_batch())
             step += 1
+            if watchdog is not None:
+                watchdog.track(step, metrics["loss"])
             profiler.after(step, (state, metrics))
             logger.flush()  # the previous logged step's metrics, fetched while this step runs
             if config.train.on_nan == "stop" and bool(metrics["skipped"]):  # a host sync per step, this mode only

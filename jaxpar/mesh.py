@@ -117,17 +117,23 @@ def split_over_processes(shape: tuple[int, ...], per_process: int) -> tuple[list
 
 # XLA:CPU aborts a collective when one of its device threads is 40 s late (its default); emulated
 # devices are threads of one process that a loaded host (a test suite in parallel, grain workers) can
-# starve for that long, so the trainer allows 10 minutes unless the user set the flag.
+# starve for that long, so the trainer waits longer, has XLA name a collective that waits more than
+# 30 s, and ends a really stuck run itself with one line first (jaxpar.watchdog). A flag the user set wins.
 CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+CPU_WARN_STUCK_FLAG = "--xla_cpu_collective_call_warn_stuck_timeout_seconds"
 
 
 def emulate_cpu_devices(count: int) -> None:
-    """Ask the CPU backend for `count` devices and give its collectives a load-tolerant timeout;
-    must run before the first JAX backend use."""
+    """Ask the CPU backend for `count` devices and give its collectives a load-tolerant timeout and a
+    warning naming a stuck one; must run before the first JAX backend use."""
+    from jaxpar.watchdog import CPU_TERMINATE_S, CPU_WARN_STUCK_S
+
     jax.config.update("jax_num_cpu_devices", max(count, 1))
     flags = os.environ.get("XLA_FLAGS", "")
-    if CPU_COLLECTIVE_TIMEOUT_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}=600".strip()
+    for flag, seconds in ((CPU_COLLECTIVE_TIMEOUT_FLAG, CPU_TERMINATE_S), (CPU_WARN_STUCK_FLAG, CPU_WARN_STUCK_S)):
+        if flag not in flags:
+            flags = f"{flags} {flag}={seconds}".strip()
+    os.environ["XLA_FLAGS"] = flags
 
 
 def maybe_initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,

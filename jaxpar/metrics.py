@@ -11,6 +11,8 @@ import pathlib
 
 import jax
 
+from jaxpar.files import write_atomic
+
 PEAK_BF16_TFLOPS = {"a100": 312.0, "h100": 989.0, "h200": 989.0}
 
 
@@ -64,7 +66,7 @@ class MetricsWriter:
         if step and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        write_atomic(self.path, "".join(line + "\n" for line in kept))  # a crash here keeps the old log
 
     def write(self, record: dict) -> None:
         if not self.enabled:

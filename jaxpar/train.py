@@ -20,6 +20,7 @@ import tempfile
 
 from jaxpar.cli import OneLineArgumentParser, main_with_one_line_errors, parse_with_overrides
 from jaxpar.errors import ConfigError
+from jaxpar.files import write_atomic
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -166,7 +167,10 @@ def run(argv: list[str]) -> int:
     emulate_cpu_devices(layout.size // processes)  # each process's share; before JAX touches a backend
     maybe_initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     mesh = layout.make_mesh(devices_for(layout, args.dry_run))
-    (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+    import jax
+
+    if jax.process_index() == 0:  # one writer; peers read the previous run's before JAX started (above)
+        write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
     if args.dry_run:
         from jaxpar.attention_choice import resolve_attention
         from jaxpar.dry_run import dry_run, format_report, write_report
@@ -175,9 +179,9 @@ def run(argv: list[str]) -> int:
         print(choice)
         report = dry_run(config, mesh)
         print(format_report(report))
-        print(f"wrote {write_report(report, workdir)}")
+        if jax.process_index() == 0:
+            print(f"wrote {write_report(report, workdir)}")
         return 0
-    import jax
 
     enable_compilation_cache(config.compile.cache_dir, is_first)  # before the first compilation
     from jaxpar.loop import TrainingStopped, train

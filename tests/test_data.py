@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import TINY_MODEL, builder_for, make_config, replace
+from conftest import TINY_MODEL, builder_for, make_config, replace, require
 from jaxpar.config import DataConfig, EvalConfig, load_config
 from jaxpar.data import demo, pipeline, text
 from jaxpar.data.episodes import DONE_MARKER, EpisodeSource, write_split
@@ -235,7 +235,7 @@ def corpus_text() -> str:
 
 def test_prepare_text_with_a_local_hugging_face_tokenizer(tmp_path):
     """A BPE trained here (nothing downloaded): tokens are its ids plus its <eos> after each file."""
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = require("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.train_from_iterator(CORPUS.values(), tokenizers.trainers.BpeTrainer(vocab_size=120,
@@ -257,7 +257,7 @@ def test_prepare_text_with_a_local_hugging_face_tokenizer(tmp_path):
 
 
 def test_prepare_text_with_a_local_sentencepiece_model(tmp_path):
-    spm = pytest.importorskip("sentencepiece")
+    spm = require("sentencepiece")
     (tmp_path / "corpus.txt").write_text(corpus_text())
     spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"),
                                    vocab_size=60, model_type="bpe", minloglevel=2)
@@ -278,7 +278,7 @@ def test_prepare_text_with_a_local_sentencepiece_model(tmp_path):
 def test_a_sentencepiece_model_without_an_eos_or_pad_id_is_refused_before_writing(tmp_path):
     """eos_id=-1 (and sentencepiece's default pad_id=-1): no id can separate the documents, so
     SentencePieceTokenizer refuses the model, naming it and the fix, before any split is written."""
-    spm = pytest.importorskip("sentencepiece")
+    spm = require("sentencepiece")
     (tmp_path / "corpus.txt").write_text(corpus_text())
     spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"),
                                    vocab_size=60, model_type="bpe", eos_id=-1, minloglevel=2)

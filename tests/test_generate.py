@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+torch = require("torch")
+transformers = require("transformers")
 
 from jaxpar import generate as gen  # noqa: E402
 from jaxpar.layers.collectives import Collectives  # noqa: E402

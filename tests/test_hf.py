@@ -12,8 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import require
+
+torch = require("torch")
+transformers = require("transformers")
 
 from conftest import builder_for  # noqa: E402
 from jaxpar import hf_llama  # noqa: E402

@@ -6,10 +6,12 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+
+from conftest import require
 from jax.sharding import PartitionSpec as P
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = require("torch")
+transformers = require("transformers")
 
 from jaxpar import hf_siglip  # noqa: E402
 from jaxpar.config import ConfigError, VisionConfig, load_config  # noqa: E402

@@ -39,6 +39,10 @@ def test_vla_tiny_reaches_the_targets(tmp_path):
     assert last["eval_success_rate"] >= 0.9, last  # issue 17: 200 held-out scenes in closed loop
 
 
-def test_llama_tiny_beats_the_unigram_baseline_on_held_out_files(tmp_path):
+def test_llama_tiny_learns_the_held_out_files(tmp_path):
+    """What a working run reaches, with a margin for noise: 1.95 bits per byte at step 2000 (BENCHMARKS.md;
+    2.90 at step 250, the unigram baseline 4.45), so the bound is 2.15; the old 0.75 x unigram (3.34)
+    passed runs that had hardly learned past step 250."""
     evals, _ = train("llama_tiny.py", tmp_path)
-    assert evals[-1]["eval_bits_per_byte"] < 0.75 * evals[-1]["unigram_bits_per_byte"], evals[-1]
+    assert evals[-1]["eval_bits_per_byte"] < 2.15, evals[-1]
+    assert evals[-1]["unigram_bits_per_byte"] > 4.0, evals[-1]  # the baseline is computed, not zero

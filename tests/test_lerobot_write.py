@@ -21,9 +21,11 @@ import sys
 import numpy as np
 import pytest
 
-av = pytest.importorskip("av")
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
+from conftest import require
+
+av = require("av")
+pa = require("pyarrow")
+pq = require("pyarrow.parquet")
 
 from jaxpar.data.episodes import COLOURS, DONE_MARKER, EFFECTOR, TABLE, iter_split, read_scene_keys  # noqa: E402
 from jaxpar.data.lerobot_write import histogram_quantiles, write_lerobot_split, write_lerobot_splits  # noqa: E402

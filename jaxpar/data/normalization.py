@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
+from jaxpar.files import write_atomic
 
 CACHE_FILE = "action_stats.json"
 
@@ -91,8 +92,8 @@ def _data_quantiles(config: Config, workdir: pathlib.Path, is_primary: bool):
             return cached["q01"], cached["q99"]
     q01, q99 = compute_quantiles(config.data.train)
     if is_primary:
-        workdir.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"source": source, "q01": list(map(float, q01)), "q99": list(map(float, q99))}))
+        # atomic: a peer that reads it meanwhile finds it whole or absent (and then computes the same values)
+        write_atomic(cache, json.dumps({"source": source, "q01": list(map(float, q01)), "q99": list(map(float, q99))}))
     return q01, q99
 
 

@@ -1,0 +1,41 @@
+"""A collective that never completes on an emulated CPU mesh ends the run with one line (issue 26)."""
+
+import subprocess
+import sys
+import textwrap
+
+from jaxpar.watchdog import STUCK_EXIT_CODE
+
+# A real deadlock: device 0 waits in a psum that device 1 (the other branch of a cond) never joins.
+SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1 " \\
+                              "--xla_cpu_collective_call_terminate_timeout_seconds=120"
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_num_cpu_devices", 2)
+    from jax.sharding import Mesh, PartitionSpec as P
+    from jaxpar.watchdog import StepWatchdog
+    mesh = Mesh(np.array(jax.devices()), ("dp",))
+    def body(x):
+        return jax.lax.cond(jax.lax.axis_index("dp") == 0, lambda v: jax.lax.psum(v, "dp"), lambda v: v * 2, x)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), check_vma=False))
+    healthy = jax.jit(lambda x: x + 1)
+    with StepWatchdog(4, "checkpoints in WORKDIR", poll_s=0.2) as watchdog:
+        for i in range(3):  # steps that finish keep it quiet
+            watchdog.track(i + 1, healthy(jnp.ones(2)))
+        watchdog.track(4, step(jnp.ones(2)))
+        jax.block_until_ready(step(jnp.ones(2)))
+    print("not reached")
+""")
+
+
+def test_a_stuck_collective_ends_the_run_with_one_line_naming_it():
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=100)
+    assert run.returncode == STUCK_EXIT_CODE, run.stderr[-2000:]
+    assert "not reached" not in run.stdout
+    # XLA names the collective that waits (the warn-stuck flag jaxpar sets) ...
+    assert "may be stuck" in run.stderr and "all reduce RendezvousKey" in run.stderr
+    # ... and the run ends with jaxpar's one line, before XLA's abort and its stack dump
+    errors = [line for line in run.stderr.splitlines() if line.startswith("jaxpar: error:")]
+    assert len(errors) == 1 and "after step 3" in errors[0] and "checkpoints in WORKDIR" in errors[0], run.stderr
+    assert "Termination timeout" not in run.stderr
