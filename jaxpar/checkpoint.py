@@ -134,6 +134,29 @@ class Checkpointer:
         """(state laid out as `abstract_state`'s shardings, step, data iterator state or None) from the
         latest complete checkpoint (or `step`)."""
         step = self.latest_step() if step is None else step
+        meta = self._checked_meta(step)
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+        state = _to_layer_order(restored["state"], meta.get("layer_order"), _stored_layer_order(self.config),
+                                abstract_state)
+        return state, step, meta.get("data")
+
+    def restore_weights(self, field: str, abstract_weights, step: int | None = None):
+        """(the weights, step): only the state's `field` ("params", or "master" for a bf16 run's fp32
+        weights), read straight into `abstract_weights`' shardings (orbax's partial restore): the
+        optimizer moments and the other copy stay on disk, so a 7B run's weights need 28 GB of fp32
+        on the target devices, not the whole train state's 112."""
+        step = self.latest_step() if step is None else step
+        meta = self._checked_meta(step)
+        item = {field: abstract_weights}
+        restored = ocp.PyTreeCheckpointer().restore(
+            self.directory / str(step) / "state",
+            args=ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                        partial_restore=True))[field]
+        weights = _to_layer_order(restored, meta.get("layer_order"), _stored_layer_order(self.config), abstract_weights)
+        return weights, step
+
+    def _checked_meta(self, step: int) -> dict:
+        """Step `step`'s metadata, refused in one line when the checkpoint belongs to another model."""
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         mismatch = fingerprint_mismatch(meta, self.config)
         if mismatch:
@@ -144,10 +167,7 @@ class Checkpointer:
             raise ConfigError(f"checkpoint {self.directory / str(step)} was trained with action bins between "
                               f"q01={saved_range['q01']} and q99={saved_range['q99']}, not {wanted_range}; set "
                               f"actions.q01 / q99 to the checkpoint's or use a fresh --workdir")
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
-        state = _to_layer_order(restored["state"], meta.get("layer_order"), _stored_layer_order(self.config),
-                                abstract_state)
-        return state, step, meta.get("data")
+        return meta
 
     def wait(self) -> None:
         """Block until every started save is durable on disk."""

@@ -7,8 +7,8 @@ whatever layout it was trained on, and writes DIR loadable with
 `transformers.LlamaForCausalLM.from_pretrained(DIR)` (jaxpar.hf_llama has the tensor mapping), with
 the run's tokenizer file when its training data was made with one. The fp32 master weights are
 exported when the run kept them (precision=bf16), else the weights.
-Known limit: the whole train state (optimizer moments included) is restored on one device, so the
-host needs about 16 bytes per parameter. A VLA is written as DIR/llm (Llama) and DIR/vision (a
+Only the weights are read from the checkpoint (jaxpar.checkpoint's partial restore: the optimizer
+moments stay on disk), onto one device: 4 bytes per parameter. A VLA is written as DIR/llm (Llama) and DIR/vision (a
 SiglipVisionModel, with projector.safetensors next to it); its encoder must be SigLIP-shaped
 (vision.bias=true, no FiLM).
 """
@@ -57,10 +57,11 @@ def restore_weights(workdir: pathlib.Path, step: int | None = None):
         raise ConfigError(f"{checkpoints.directory} has no checkpoint")
     if step is not None and step not in steps:
         raise ConfigError(f"--step {step} is not among the checkpoints {sorted(steps)}")
-    state, step, _ = checkpoints.restore(builder.abstract_state(), step)
+    abstract = builder.abstract_state()
+    field = "master" if abstract.master is not None else "params"
+    weights, step = checkpoints.restore_weights(field, getattr(abstract, field), step)
     checkpoints.close()
-    weights = jax.device_get(state.master if state.master is not None else state.params)
-    return config, step, builder.to_model_order(weights)
+    return config, step, builder.to_model_order(jax.device_get(weights))
 
 
 def run_tokenizer_file(config) -> pathlib.Path | None:
