@@ -123,12 +123,25 @@ CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_secon
 CPU_WARN_STUCK_FLAG = "--xla_cpu_collective_call_warn_stuck_timeout_seconds"
 
 
+# XLA:CPU runs each emulated device's program on a thread of a pool of max(cores, devices) threads
+# (PjRtCpuClient: "at least CpuDeviceCount threads to launch one collective"), and the thunks a
+# device's program runs concurrently go to a pool of the same size. When every device but one has a
+# thread blocked in a collective, the last device's concurrent work waits for a thread that never
+# frees: the step hangs at 0% CPU, whatever the collective order (seen: make run's layout, 2 of 3
+# concurrent 2000-step runs within 200 steps on this 2-core machine). XLA sizes both pools from
+# PJRT_NPROC when it is set; jaxpar gives them THREADS_PER_DEVICE threads per emulated device.
+THREADS_PER_DEVICE = 4
+
+
 def emulate_cpu_devices(count: int) -> None:
-    """Ask the CPU backend for `count` devices and give its collectives a load-tolerant timeout and a
-    warning naming a stuck one; must run before the first JAX backend use."""
+    """Ask the CPU backend for `count` devices, with threads enough for all of them to block in
+    collectives at once, a load-tolerant collective timeout and a warning naming a stuck collective;
+    must run before the first JAX backend use. Settings the user made (PJRT_NPROC, XLA_FLAGS) win."""
     from jaxpar.watchdog import CPU_TERMINATE_S, CPU_WARN_STUCK_S
 
     jax.config.update("jax_num_cpu_devices", max(count, 1))
+    if "PJRT_NPROC" not in os.environ:
+        os.environ["PJRT_NPROC"] = str(max(THREADS_PER_DEVICE * count, os.cpu_count() or 1))
     flags = os.environ.get("XLA_FLAGS", "")
     for flag, seconds in ((CPU_COLLECTIVE_TIMEOUT_FLAG, CPU_TERMINATE_S), (CPU_WARN_STUCK_FLAG, CPU_WARN_STUCK_S)):
         if flag not in flags:

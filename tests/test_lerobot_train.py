@@ -102,3 +102,39 @@ def test_quantile_bins_for_jaxpar_episodes_are_computed_once_and_cached(tmp_path
     assert resolve_action_range(config, tmp_path / "w").actions == resolved.actions
     with pytest.raises(ConfigError, match="are for LeRobot datasets"):  # never a silent eval on train episodes
         make_source(load_config("vla_tiny", overrides + ["data.eval_episodes=2"]), str(tmp_path / "train"))
+
+
+@pytest.mark.slow  # two 2-process starts
+def test_two_processes_train_on_lerobot_and_restart_with_one_writer_per_file(tmp_path):
+    """Issue 26: in a 2-process run (scripts/launch_local.sh) each file has one writer and is never
+    read half-written: process 0 writes config.json, action_stats.json (a v2.1 dataset has no stats
+    file, so the range is computed) and metrics.jsonl, each whole (a temporary file renamed over the
+    target); the restarted run reads them back and resumes."""
+    import os
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_v21(data)
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "launch_local.sh")
+
+    def launch(steps):
+        flags = ["--config", "vla_tiny", "--workdir", str(tmp_path / "run"), "--config.mesh.dp=1",
+                 "--config.mesh.pp=2", "--config.mesh.tp=2", f"--config.train.steps={steps}",
+                 "--config.train.global_batch_size=4", "--config.train.log_every=1", "--config.checkpoint.every=2",
+                 f"--config.data.train={data}", "--config.data.eval=", "--config.data.generate=false",
+                 "--config.data.eval_episodes=1", "--config.eval.every=0", f"--config.data.cameras={WRIST},{TOP}",
+                 "--config.vision.cameras=2", "--config.model.n_layers=2"]
+        return subprocess.run(["bash", script, "2", *flags], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHON": sys.executable})
+
+    first = launch(2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = launch(4)
+    assert second.returncode == 0 and second.stdout.count("resuming from step 2") == 1, second.stderr[-3000:]
+    run = tmp_path / "run"
+    stats = json.loads((run / "action_stats.json").read_text())
+    saved = json.loads((run / "config.json").read_text())["actions"]
+    assert saved["q01"] == stats["q01"] and saved["q99"] == stats["q99"]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # one writer, the resumed log kept up to the checkpoint
+    assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp")]  # no temporary file left behind
