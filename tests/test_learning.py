@@ -26,14 +26,12 @@ def test_vla_tiny_reaches_the_targets(tmp_path):
     """The issue-7 and issue-17 targets: held-out action-token accuracy >= 0.9 and closed-loop success >= 0.9
     (runs end at ~0.99; BENCHMARKS.md). That score counts four always-zero dims and the gripper, so the
     image-blind baseline is already 0.87: the two move dims, the only ones that need the image, must also
-    be read (blind: 0.53 / 0.56). Wall time: the 10-minute target held on a quiet machine (7.2 min,
-    2026-11-29) but the same code has taken 17.5 min on this shared 2-core machine (2026-12-01), so the
-    test bounds it at 20 minutes, a check that the run has not become slower by design, and
-    BENCHMARKS.md reports the measured times."""
+    be read (blind: 0.53 / 0.56). Wall time: the budget README and BENCHMARKS.md state, 15 minutes on
+    this shared 2-core machine (CI's runs: 408-529 s; 7.2 min on a quiet machine, 2026-11-29)."""
     evals, seconds = train("vla_tiny.py", tmp_path)
     last = evals[-1]
     print(f"vla_tiny: {seconds:.0f} s wall")
-    assert seconds < 1200
+    assert seconds < 900
     assert last["eval_action_accuracy"] >= 0.9, last
     assert min(last["eval_action_accuracy_by_dim"][:2]) >= 0.8, last
     assert last["eval_success_rate"] >= 0.9, last  # issue 17: 200 held-out scenes in closed loop

@@ -155,35 +155,31 @@ def after(x: Any, *dependencies: Any) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def chain(fn: Callable, tree: Any, *rest: Any, start: Any = None, is_leaf=None) -> Any:
-    """`jax.tree.map(fn, tree, *rest)`, each call's first argument made to wait for the previous
-    call's result (the first one for `start`): one order for a tree of collectives."""
+def _chained(wait: Callable, fn: Callable, tree: Any, rest: tuple, start: Any, is_leaf) -> Any:
+    """`jax.tree.map(fn, tree, *rest)`, each leaf's input made to `wait` for the previous result."""
     if not ordering_on():
         return jax.tree.map(fn, tree, *rest, is_leaf=is_leaf)
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
     others = [treedef.flatten_up_to(r) for r in rest]
     out, previous = [], start
     for k, leaf in enumerate(leaves):
-        result = fn(after(leaf, previous) if previous is not None else leaf, *(o[k] for o in others))
+        result = fn(wait(leaf, previous) if previous is not None else leaf, *(o[k] for o in others))
         out.append(result)
         previous = result
     return jax.tree.unflatten(treedef, out)
+
+
+def chain(fn: Callable, tree: Any, *rest: Any, start: Any = None, is_leaf=None) -> Any:
+    """`jax.tree.map(fn, tree, *rest)`, each call's first argument made to wait for the previous
+    call's result (the first one for `start`): one order for a tree of collectives."""
+    return _chained(after, fn, tree, rest, start, is_leaf)
 
 
 def chain_both_ways(fn: Callable, tree: Any, *rest: Any, start: Any = None, is_leaf=None) -> Any:
     """`chain`, with the backward ordered too: each leaf's input is `ordered_both_ways` after the
     previous result, so the transposes of `fn` (e.g. ZeRO-3's reduce-scatters of its all-gathers)
     run one after another in the reverse order, and `start`'s cotangent waits for all of them."""
-    if not ordering_on():
-        return jax.tree.map(fn, tree, *rest, is_leaf=is_leaf)
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_leaf)
-    others = [treedef.flatten_up_to(r) for r in rest]
-    out, previous = [], start
-    for k, leaf in enumerate(leaves):
-        result = fn(ordered_both_ways(leaf, previous) if previous is not None else leaf, *(o[k] for o in others))
-        out.append(result)
-        previous = result
-    return jax.tree.unflatten(treedef, out)
+    return _chained(ordered_both_ways, fn, tree, rest, start, is_leaf)
 
 
 def ordered_both_ways(x: Any, dependency: Any) -> Any:
