@@ -173,6 +173,8 @@ LAYOUTS = {
     "zb": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1), pipeline=PipelineConfig(microbatches=4, schedule="zb")),
     "gpipe": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1, model=M4),
                              pipeline=PipelineConfig(microbatches=4, schedule="gpipe")),
+    "gpipe, one layer per stage": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1),
+                                                  pipeline=PipelineConfig(microbatches=4, schedule="gpipe")),
     "VLA 1f1b": lambda: _vla(mesh=dict(dp=2, pp=2, tp=2), vision=dict(tp=2), pipeline=dict(schedule="1f1b"),
                              zero=dict(stage=1)),
 }
@@ -206,13 +208,6 @@ def test_every_collective_of_the_train_step_is_ordered(name):
 @pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
 def test_every_collective_of_the_vla_train_step_is_ordered(name):
     _assert_ordered(_train_step_hlo(SLOW_LAYOUTS[name]()))
-
-
-@pytest.mark.xfail(strict=True, reason="GPipe with one layer per stage: XLA:CPU unrolls the layer scan and "
-                   "starts the layer's backward on part of the tick's cotangent (2 pairs left; issue 26)")
-def test_gpipe_with_one_layer_per_stage_is_ordered():
-    _assert_ordered(_train_step_hlo(replace(make_config(dp=2, pp=2, tp=2, stage=1),
-                                            pipeline=PipelineConfig(microbatches=4, schedule="gpipe"))))
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
-from jaxpar.layers.order import chain_both_ways, cotangent_after, ordered_both_ways
+from jaxpar.layers.order import backward_ordered, chain_both_ways, cotangent_after, ordered_both_ways
 from jaxpar.parallel import zero
 from jaxpar.sharding import is_axes_leaf
 
@@ -119,6 +119,8 @@ class Collectives:
         the computation's own collectives; in the backward the weights' gradient reductions (and
         the tp sums of gradients of weights replicated over tp) after the computation's input
         gradient, and before that gradient flows on."""
+        if not (self.zero2_axis or self.zero3_axis):  # nothing gathered: order the backward only (no copies)
+            return backward_ordered(x, params)
         weights = self.gather_weights(params, logical_axes, start=x)
         return ordered_both_ways(x, weights), weights
 
@@ -139,7 +141,7 @@ class Collectives:
             return structure.unflatten(chain_both_ways(use, pairs, axes_leaves, start=start,
                                                       is_leaf=lambda v: isinstance(v, tuple)))
         if not self.zero3_axis:
-            return params if start is None else ordered_both_ways(params, start)
+            return params
 
         def gather(w, axes):
             full = zero.gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis), self.grad_reduce_dtype)(w)
@@ -158,7 +160,10 @@ class Collectives:
                                                self.zero_logical_axis, self.grad_reduce_dtype)
 
         def body(x, weights):
+            if not (self.zero2_axis or self.zero3_axis):  # nothing to gather, and the layer's collectives
+                return layer_fn(x, weights), None     # are ordered by its data (a zb B slot drops the dW dots)
             x, weights = self.use_weights(x, weights, layer_axes)
+            # ZeRO-3 under remat gathers the weights again in the backward: before the layer's own collectives
             return cotangent_after(layer_fn(x, weights), weights), None
 
         if remat_policy is not None:

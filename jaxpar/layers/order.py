@@ -22,7 +22,8 @@ expands barriers away before scheduling. So jaxpar orders every pair with a real
 * `ordered_both_ways(x, dep)` also orders the backward: the cotangent of `dep` waits for the
   cotangent of `x`, so the transposed collectives run in the reverse order of the forward ones;
   `chain_both_ways` chains a tree so.
-* `cotangent_after(y, dep)`: the backward uses `y`'s cotangent only once `dep` is (re)computed;
+* `backward_ordered(x, weights)`: x's cotangent waits for the weights' (nothing in the forward);
+  `cotangent_after(y, dep)`: the backward uses `y`'s cotangent only once `dep` is (re)computed;
   `cotangent_summed(y)`: only once all of it is summed.
 
 All three are the identity off the CPU backend: NCCL runs each device's collectives on ordered
@@ -201,6 +202,26 @@ def ordered_both_ways(x: Any, dependency: Any) -> Any:
 
     order.defvjp(forward, backward)
     return order(x, dependency)
+
+
+def backward_ordered(x: Any, weights: Any) -> tuple[Any, Any]:
+    """(x, weights) unchanged, whose backward uses x's cotangent only once the weights' cotangent is
+    computed: a tp sum of the gradient of a weight replicated over tp (sequence parallelism's norm
+    gains) then comes before the collectives of the backward that consumes x's cotangent. Nothing is
+    added to the forward (no copy of the weights, nothing for a pipeline to stash)."""
+    if not ordering_on():
+        return x, weights
+
+    @jax.custom_vjp
+    def pair(x, weights):
+        return x, weights
+
+    def backward(_, cotangents):
+        d_x, d_weights = cotangents
+        return after(d_x, d_weights), d_weights
+
+    pair.defvjp(lambda x, weights: ((x, weights), None), backward)
+    return pair(x, weights)
 
 
 def cotangent_after(y: Any, dependency: Any) -> Any:

@@ -95,10 +95,13 @@ class Pipeline:
 
     def __init__(self, schedule: Schedule, pieces: StagePieces, varying_axes: tuple[str, ...],
                  stage_recompute: bool = False, activation_axes: tuple[str, ...] = (),
-                 reduce_dp: Callable | None = None):
+                 reduce_dp: Callable | None = None, input_grad_collective: bool = False):
         """reduce_dp(part, grads) -> grads: the gradient reduction over dp of "first", "head" or one
         chunk of "layers" (ZeRO's business, jaxpar.parallel.zero); the pipeline only decides when,
-        each as soon as the schedule table says the part's gradient is final. None: no reduction."""
+        each as soon as the schedule table says the part's gradient is final. None: no reduction.
+        input_grad_collective: a chunk's input gradient ends in a collective (tp > 1), which XLA:CPU
+        runs in a zb W slot even though W does not use it (see _weight_slot)."""
+        self.input_grad_collective = input_grad_collective
         self.table, self.pieces, self.varying = schedule, pieces, varying_axes
         self.reduce_dp = reduce_dp or (lambda part, grads: grads)
         self.final_at = self._final_at()
@@ -222,9 +225,11 @@ class Pipeline:
         acts = [buf[slot] for buf in carry["stash"]]
         d_chunk, dx = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
         grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk)}
-        # XLA:CPU keeps the unused dx's tp sum (a collective) and drops its result: tie it to the carry
-        # so it stays ordered before the next tick's collectives
-        return {**carry, "grads": grads, "recv_fwd": after(carry["recv_fwd"], dx)}
+        if self.input_grad_collective:  # XLA:CPU keeps the unused dx's tp sum (a collective) and drops its
+            # result: tied to the carry, it stays before the next tick's collectives (without a tp sum
+            # the unused dx is dropped whole, as on GPUs, where `after` is the identity)
+            return {**carry, "grads": grads, "recv_fwd": after(carry["recv_fwd"], dx)}
+        return {**carry, "grads": grads}
 
     def _tick(self, ctx, kinds: str):
         act_shape, act_dtype = ctx["act"]
@@ -339,8 +344,10 @@ class Pipeline:
                               start=final)
             reduced[part] = self.reduce_dp(name, final)
         carry = {**carry, "grads": grads}
-        if parts:  # the ticks after it start once the reductions are done (XLA:CPU)
-            carry = after(carry, reduced[list(reduced)[-1]])
+        if parts:  # the ticks after it start once the reductions are done (XLA:CPU): every slot of a tick
+            # reads a received buffer first (the stash and accumulators are not copied)
+            received = after({k: carry[k] for k in ("recv_fwd", "recv_bwd")}, reduced[list(reduced)[-1]])
+            carry = {**carry, **received}
         return carry
 
     # --------------------------------------------------------------- forward only: GPipe and evaluation
