@@ -34,7 +34,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.layers.order import after, after_p, chain, ordered_both_ways
+from jaxpar.layers.order import after, after_p, chain
 from jaxpar.sharding import Rules, is_axes_leaf, llm_rules, tree_specs, unused_mesh_axes, zero_dim
 
 ZERO3_GATHERED = "zero3_gathered"  # checkpoint name of all-gathered ZeRO-3 weights: never saved for backward
