@@ -28,6 +28,7 @@ import pytest
 from PIL import Image
 
 from jaxpar.data.lerobot import LeRobotSource, compute_action_quantiles, is_lerobot, split_episodes
+from jaxpar.data.lerobot_write import scheduling_kept
 from jaxpar.errors import ConfigError
 
 FPS = 10
@@ -102,7 +103,7 @@ def encode(path, camera: str, episode: int, frames: int | None = None) -> float:
     """One episode's mp4 (lerobot's encoder settings); returns its duration as lerobot measures it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     options = {"g": "2", "crf": "30", **({"preset": "8"} if CODECS[camera] == "libsvtav1" else {})}
-    with av.open(str(path), "w") as out:
+    with av.open(str(path), "w") as out, scheduling_kept():  # see scheduling_kept: SVT-AV1 makes us real-time
         stream = out.add_stream(CODECS[camera], FPS, options=options)
         stream.pix_fmt, (stream.height, stream.width) = "yuv420p", SIZES[camera]
         for f in range(LENGTHS[episode] if frames is None else frames):

@@ -105,9 +105,6 @@ def test_quantile_bins_for_jaxpar_episodes_are_computed_once_and_cached(tmp_path
 
 
 @pytest.mark.slow  # two 2-process starts
-@pytest.mark.xfail(run=False, reason="issue 26, open: this 2-process VLA run (pp over the two processes, gloo) has "
-                   "not finished its first step in 10+ minutes, both processes at ~95% CPU (2026-12-02); "
-                   "not diagnosed. The 2-process llama_tiny tests in test_checkpoint.py pass")
 def test_two_processes_train_on_lerobot_and_restart_with_one_writer_per_file(tmp_path):
     """Issue 26: in a 2-process run (scripts/launch_local.sh) each file has one writer and is never
     read half-written: process 0 writes config.json, action_stats.json (a v2.1 dataset has no stats
@@ -138,6 +135,7 @@ def test_two_processes_train_on_lerobot_and_restart_with_one_writer_per_file(tmp
     stats = json.loads((run / "action_stats.json").read_text())
     saved = json.loads((run / "config.json").read_text())["actions"]
     assert saved["q01"] == stats["q01"] and saved["q99"] == stats["q99"]
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]  # one writer, the resumed log kept up to the checkpoint
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]  # one writer; kept up to the checkpoint
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]  # each run's final evaluation
     assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp")]  # no temporary file left behind

@@ -14,6 +14,7 @@ makes the scene readable. The tests allow max 64, mean 3 and no palette misread.
 """
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -249,6 +250,16 @@ def test_scenes_and_marker(split):
     assert scenes == [e["scene"] for e in episodes]
     assert (root / DONE_MARKER).is_file()
     assert not list(root.parent.glob("*.partial-*"))
+
+
+def test_encoding_leaves_the_callers_scheduling_as_it_was(tmp_path):
+    """SVT-AV1 sets the thread that feeds it frames to real-time SCHED_FIFO 99 where it may (root, as
+    in containers); the threads and processes started from that thread later (XLA's pools, gloo's
+    polling loop, a multi-process launch) inherit it, and a 2-process run then never finished its
+    first step. The writer hands the caller's policy back."""
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    write_lerobot_split(tmp_path / "out", 1, 0, fps=FPS, video_size=VIDEO, codec="av1", **{**SHAPE, "cameras": 1})
+    assert (os.sched_getscheduler(0), os.sched_getparam(0)) == before
 
 
 def test_splits_share_no_scene(tmp_path):

@@ -79,6 +79,7 @@ decoding and box-filtering back to the task's size recovers the frames within a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -121,6 +122,26 @@ def _libs():
     except ImportError as err:
         raise ConfigError(f"the LeRobot format needs pyarrow and PyAV ({err}); pip install pyarrow av") from None
     return av, pa, pq
+
+
+@contextlib.contextmanager
+def scheduling_kept():
+    """Run an encoder without letting it change the calling thread's scheduling.
+
+    Why: SVT-AV1 (libsvtav1) sets the thread that feeds its first frame to SCHED_FIFO priority 99 when
+    it may (root, as in most containers), and every thread started from it afterwards inherits that:
+    the trainer's XLA pools and gloo's event loop, or the processes a test launches. A real-time
+    thread that polls (gloo's loop does) then starves the others on a small machine; a 2-process run
+    launched after encoding never finished its first step. The caller's policy comes back here."""
+    if not hasattr(os, "sched_getscheduler"):  # not Linux: nothing to keep
+        yield
+        return
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != (policy, param):
+            os.sched_setscheduler(0, policy, param)
 
 
 def camera_key(camera: int) -> str:
@@ -248,6 +269,10 @@ class CameraVideo:
     def add_episode(self, images: np.ndarray) -> None:
         """Encode one episode's [T, H, W, 3] frames; its first frame is a keyframe."""
         factor = self.video_size // images.shape[1]
+        with scheduling_kept():
+            self._encode(images, factor)
+
+    def _encode(self, images: np.ndarray, factor: int) -> None:
         for step, image in enumerate(images):
             big = np.ascontiguousarray(np.repeat(np.repeat(image, factor, 0), factor, 1))
             frame = self._frame.from_ndarray(big, format="rgb24")
@@ -268,7 +293,8 @@ class CameraVideo:
             self.last_dts = packet.dts
 
     def close(self) -> None:
-        self._mux(self.stream.encode(None))
+        with scheduling_kept():
+            self._mux(self.stream.encode(None))
         self.container.close()
 
     def info(self) -> dict:
