@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow test-learning dry-run plan bench-gpu clean
+.PHONY: run test test-slow test-learning dry-run plan bench-gpu clean gpu-aot
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,9 +16,18 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama_tiny.py --workdir runs/llama_tiny
 
+## XLA's GPU compiler for `--dry_run --gpu NAME` on a machine without a GPU (jaxpar/gpu_aot.py), in .gpu-aot/ outside
+## the venv: installed in it, the CUDA plugin makes every CPU-only JAX process print CUDA driver warnings.
+GPU_AOT := .gpu-aot
+GPU_AOT_STAMP := $(GPU_AOT)/.installed
+$(GPU_AOT_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/python -m pip install -q --upgrade --target $(GPU_AOT) $$($(BIN)/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu-aot"]))')
+	touch $(GPU_AOT_STAMP)
+gpu-aot: $(GPU_AOT_STAMP)
+
 ## The test suite, in 2 worker processes (pytest-xdist; TEST_JOBS=1 for one); tests marked `slow` are excluded: `make test-slow` runs them.
 TEST_JOBS ?= 2
-test: $(STAMP)
+test: $(STAMP) $(GPU_AOT_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadscope
 
 ## Compile llama7b for 8 emulated devices and report memory and collectives.
@@ -26,7 +35,7 @@ dry-run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama7b.py --dry_run --workdir runs/llama7b_dry
 
 ## Tests marked slow (more layouts, the big dry runs, whole demos; CI runs them after `make test`), in 2 workers, then the proof-of-learning runs alone.
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(GPU_AOT_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadscope -m slow --ignore=tests/test_learning.py
 	$(MAKE) test-learning
 

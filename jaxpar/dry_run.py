@@ -22,6 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar import hlo
 from jaxpar.config import Config, to_dict
 from jaxpar.files import write_atomic
+from jaxpar.gpu_aot import GpuTarget
+from jaxpar.layers import order
 from jaxpar.models import llama, vit
 from jaxpar.metrics import model_flops_per_step
 from jaxpar.parallel.step import VISION_KEYS, StepBuilder
@@ -93,11 +95,13 @@ def component_report(builder: StepBuilder, state) -> dict:
     return layouts
 
 
-def dry_run(config: Config, mesh) -> dict:
+def dry_run(config: Config, mesh, gpu: GpuTarget | None = None) -> dict:
+    """The report of the train step compiled for `mesh`'s devices (`gpu`: the GPU target they are)."""
     builder = StepBuilder(config, mesh)
     state, batch = builder.abstract_state(), builder.abstract_batch()
     start = time.perf_counter()
-    lowered = builder.jit_train_step().lower(state, batch)
+    with order.ordering(mesh.devices.flat[0].platform == "cpu"):  # only CPU programs are ordered
+        lowered = builder.jit_train_step().lower(state, batch)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
@@ -114,8 +118,9 @@ def dry_run(config: Config, mesh) -> dict:
     }
     per_device["peak"] = per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"]
     model_flops = model_flops_per_step(config, builder.seq_len)
-    executed = hlo.executed_flops(compiled.as_text())
-    return {
+    text = compiled.as_text()
+    executed = hlo.executed_flops(text)
+    report = {
         "devices": mesh.size,
         "platform": mesh.devices.flat[0].platform,
         "mesh": dict(mesh.shape),
@@ -147,6 +152,22 @@ def dry_run(config: Config, mesh) -> dict:
         ],
         "config": to_dict(config),
     }
+    if gpu is not None:
+        report.update(gpu_fields(gpu, per_device, text))
+        report["notes"].append("GPU-compiled, no device: XLA's GPU compiler without autotuning (default GEMM "
+                               "tiles, cuBLAS GEMMs: Triton GEMM fusions off); memory is a close estimate")
+    return report
+
+
+def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
+    """What only a GPU program says: the target, whether the step fits its HBM, and the library
+    kernels it calls (cuDNN attention is taken only if the program has its custom calls)."""
+    calls = hlo.custom_call_counts(text)
+    cudnn = sum(n for target, n in calls.items() if target.startswith("__cudnn$fmha"))
+    gemms = sum(n for target, n in calls.items() if target.startswith("__cublas$"))
+    return {"target": gpu.name, "hbm_bytes": gpu.memory_bytes, "fits": per_device["peak"] <= gpu.memory_bytes,
+            "kernels": {"attention": "cudnn" if cudnn else "xla", "cudnn_attention_calls": cudnn,
+                        "gemm_calls": gemms}}
 
 
 def format_report(report: dict) -> str:
@@ -154,7 +175,7 @@ def format_report(report: dict) -> str:
     b = hlo.human_bytes
     mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
     lines = [
-        f"dry run: {report['param_count']:,} params on {report['devices']} {report['platform']} devices "
+        f"dry run: {report['param_count']:,} params on {report['devices']} {_devices_text(report)} devices "
         f"({mesh}), ZeRO-{report['zero_stage']}, {report['precision']}; compiled in {report['compile_s']:.1f}s",
         "per-device bytes:",
         f"  params     {b(pd['params']):>12}   (LLM ZeRO formula {b(an['params'])})",
@@ -167,11 +188,29 @@ def format_report(report: dict) -> str:
         "components:",
         *(f"  {name:<17} {_layout_text(c)}: params {b(c['params_bytes'])}, optimizer {b(c['opt_state_bytes'])}"
           f" (+ {b(c['opt_state_host_bytes'])} on host)" for name, c in report["components"].items()),
+        *gpu_text(report),
         flops_text(report),
         "collectives per step (optimised program; XLA:CPU shows bf16 collectives as f32):",
         hlo.summarize(report["collectives"]),
     ]
     return "\n".join(lines)
+
+
+def _devices_text(report: dict) -> str:
+    if "target" in report:
+        return f"{report['target']} (GPU-compiled, no device)"
+    return report["platform"]
+
+
+def gpu_text(report: dict) -> list[str]:
+    """The GPU target's lines: fit against its HBM, and the kernels read from the program."""
+    if "target" not in report:
+        return []
+    b, k = hlo.human_bytes, report["kernels"]
+    fit = "fits" if report["fits"] else "does NOT fit"
+    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {b(report['per_device_bytes']['peak'])})",
+            f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls), "
+            f"{k['gemm_calls']} cuBLAS GEMM calls"]
 
 
 def flops_text(report: dict) -> str:

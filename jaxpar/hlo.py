@@ -313,8 +313,8 @@ def _infer_trips(comps, cond: str, caller: dict[str, dict], init_name: str) -> i
 def _collective_bytes(ins: dict, base: str, n_devices: int) -> dict[str, float]:
     """Per-dtype bytes of the full buffer one execution of `ins` moves."""
     shape, elems = ins["shape"], _tuple_elems(ins["shape"])
-    # all-gather-start: (inputs, outputs); collective-permute-start: (in, out, u32[] ctx..)
-    if ins["op"] in ("all-gather-start", "collective-permute-start") and len(elems) >= 2:
+    # all-gather-start / reduce-scatter-start (GPU): (inputs, outputs); collective-permute-start: (in, out, u32[] ctx..)
+    if ins["op"] in ("all-gather-start", "reduce-scatter-start", "collective-permute-start") and len(elems) >= 2:
         shape = elems[1]
     out = _bytes_by_dtype(shape)
     if base == "reduce-scatter":  # input = output x group size
@@ -345,8 +345,10 @@ def _while_parts(comps, ins: dict, instrs: dict[str, dict]) -> tuple[str | None,
     return (body.group(1) if body else None), n
 
 
-def _walk(comps, name: str, mult: int, unknown: bool, mesh, acc: dict, depth: int = 0) -> None:
-    """Add the collectives of computation `name`, run `mult` times, into acc."""
+def _walk(comps, name: str, mult: int, unknown: bool, mesh, acc: dict, depth: int = 0,
+          in_async: bool = False) -> None:
+    """Add the collectives of computation `name`, run `mult` times, into acc (`in_async`: the
+    computation an async-start wraps, so its collectives run asynchronously)."""
     if depth > 64:  # guard against malformed (recursive) call graphs
         return
     instrs = {i["name"]: i for i in comps.get(name, [])}
@@ -360,8 +362,9 @@ def _walk(comps, name: str, mult: int, unknown: bool, mesh, acc: dict, depth: in
             axis = (permute_axis(attrs, mesh) if base == "collective-permute"
                     else axis_label(parse_replica_groups(attrs, n_dev), mesh))
             for dt, b in _collective_bytes(ins, base, n_dev).items():
-                e = acc.setdefault((base, axis, dt), {"count": 0, "bytes": 0.0, "unknown": False})
+                e = acc.setdefault((base, axis, dt), {"count": 0, "bytes": 0.0, "unknown": False, "async": 0})
                 e["count"] += mult
+                e["async"] += mult if (in_async or op.endswith("-start")) else 0
                 e["bytes"] += mult * b
                 e["unknown"] |= unknown
             continue
@@ -371,12 +374,14 @@ def _walk(comps, name: str, mult: int, unknown: bool, mesh, acc: dict, depth: in
                 _walk(comps, body, mult * (1 if n is None else n), unknown or n is None, mesh, acc, depth + 1)
             continue
         for c in _called(ins):
-            _walk(comps, c, mult, unknown, mesh, acc, depth + 1)
+            _walk(comps, c, mult, unknown, mesh, acc, depth + 1, in_async or op == "async-start")
 
 
 def collectives(hlo_text: str, mesh) -> list[dict]:
     """Collectives one call of the HLO program executes, grouped by (op, axis, dtype).
 
+    "async": how many of the `count` executions are asynchronous (a `-start` / `-done` pair or an
+    async-start wrapper: GPU programs; XLA:CPU runs every collective synchronously).
     While bodies are multiplied by their trip count (backend_config's
     known_trip_count, else inferred from `i < const` in the condition; when
     neither works the body counts once and the entry gets
@@ -392,7 +397,8 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
     out = []
     for (op, axis, dt), e in sorted(acc.items()):
         b = e["bytes"]
-        d = {"op": op, "axis": axis, "dtype": dt, "count": e["count"], "bytes": int(b) if b == int(b) else b}
+        d = {"op": op, "axis": axis, "dtype": dt, "count": e["count"], "bytes": int(b) if b == int(b) else b,
+             "async": e["async"]}
         if e["unknown"]:
             d["trip_count_unknown"] = True
         out.append(d)
@@ -528,3 +534,34 @@ def executed_flops(hlo_text: str) -> dict:
     got = _comp_flops(comps, entry, {})
     return {"total": got["dot"] + got["convolution"], "dot": got["dot"], "convolution": got["convolution"],
             "trip_count_unknown": got["unknown_trip"], "uncounted": sorted(got["uncounted"])}
+
+
+# ----------------------------------------------------------------------------- library kernels
+
+def custom_call_counts(hlo_text: str) -> dict[str, int]:
+    """How many times one call of the program runs each custom-call target (cuBLAS GEMMs, cuDNN
+    attention, ...): while bodies times their trip count (once when unknown), every branch of a
+    conditional counted."""
+    comps, entry = parse_module(hlo_text)
+    if entry is None:
+        raise ValueError("no ENTRY computation in HLO text")
+    counts: dict[str, int] = {}
+
+    def walk(name: str, mult: int, depth: int) -> None:
+        if depth > 64:
+            return
+        instrs = {i["name"]: i for i in comps.get(name, [])}
+        for ins in comps.get(name, []):
+            target = re.search(r'custom_call_target="([^"]+)"', ins["attrs"]) if ins["op"] == "custom-call" else None
+            if target:
+                counts[target.group(1)] = counts.get(target.group(1), 0) + mult
+            elif ins["op"] == "while":
+                body, n = _while_parts(comps, ins, instrs)
+                if body:
+                    walk(body, mult * (n or 1), depth + 1)
+            else:
+                for called in _called(ins):
+                    walk(called, mult, depth + 1)
+
+    walk(entry, 1, 0)
+    return dict(sorted(counts.items()))

@@ -29,6 +29,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", required=True, help="configs/NAME.py, a bare NAME, or a path")
     parser.add_argument("--workdir", default=None, help="where metrics.jsonl, tb/ and dry_run.json go")
     parser.add_argument("--dry_run", action="store_true", help="compile the real step, report memory and comms")
+    parser.add_argument("--gpu", default=None, help="with --dry_run: compile for this GPU (h100, h200, a100-80gb) "
+                        "with XLA's GPU compiler, no device needed")
+    parser.add_argument("--gpus_per_node", type=int, default=8, help="with --gpu: GPUs per node of the topology")
     parser.add_argument("--coordinator_address", default=None, help="multi-host: host:port of process 0")
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
@@ -145,6 +148,7 @@ def run(argv: list[str]) -> int:
         print(warning, file=sys.stderr)
     workdir = pathlib.Path(args.workdir or f"runs/{pathlib.Path(args.config).stem}")
     ensure_writable(workdir)
+    gpu = _gpu_target(args)
     if not args.dry_run:  # data mistakes, like config ones, surface before JAX starts
         from jaxpar.data.demo import check_paths, ensure_demo_data
 
@@ -157,16 +161,21 @@ def run(argv: list[str]) -> int:
     from jaxpar.xla_flags import apply_gpu_bundle
 
     is_first = launch_process_index(args.process_id) == 0
-    apply_gpu_bundle(announce=print if is_first else None)  # before any JAX backend starts: XLA reads it once
+    apply_gpu_bundle(announce=print if is_first else None, force=gpu is not None)  # before JAX starts: read once
     from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
 
     layout = Layout.for_config(config)
     processes = args.num_processes or 1
     if layout.size % processes:
         raise ConfigError(f"--num_processes={processes} does not divide the mesh's {layout.size} devices")
-    emulate_cpu_devices(layout.size // processes)  # each process's share; before JAX touches a backend
+    emulate_cpu_devices(1 if gpu is not None else layout.size // processes)  # before JAX touches a backend
     maybe_initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
-    mesh = layout.make_mesh(devices_for(layout, args.dry_run))
+    if gpu is not None:
+        from jaxpar.gpu_aot import gpu_devices
+
+        mesh = layout.make_mesh(gpu_devices(gpu, layout.size, args.gpus_per_node))
+    else:
+        mesh = layout.make_mesh(devices_for(layout, args.dry_run))
     import jax
 
     if jax.process_index() == 0:  # one writer; peers read the previous run's before JAX started (above)
@@ -177,7 +186,7 @@ def run(argv: list[str]) -> int:
 
         config, choice = resolve_attention(config, mesh)  # (training resolves it in jaxpar.loop.train)
         print(choice)
-        report = dry_run(config, mesh)
+        report = dry_run(config, mesh, gpu)
         print(format_report(report))
         if jax.process_index() == 0:
             print(f"wrote {write_report(report, workdir)}")
@@ -198,6 +207,21 @@ def run(argv: list[str]) -> int:
     else:
         print(f"nothing to do: the checkpoint in {workdir / 'checkpoints'} is already at train.steps")
     return 0
+
+
+def _gpu_target(args):
+    """--gpu's target, its environment prepared before JAX starts (None without --gpu)."""
+    if args.gpu is None:
+        return None
+    if not args.dry_run:
+        raise ConfigError(f"--gpu={args.gpu} compiles for GPUs this machine does not have: add --dry_run")
+    if args.num_processes not in (None, 1):
+        raise ConfigError("--gpu compiles every device's program in one process: drop --num_processes")
+    from jaxpar import gpu_aot
+
+    gpu = gpu_aot.target(args.gpu)
+    gpu_aot.prepare_environment()
+    return gpu
 
 
 def summary(records: list[dict]) -> str:

@@ -103,12 +103,13 @@ def runs_on_gpu(environ=os.environ) -> tuple[bool, str]:
     return True, "a CUDA plugin and NVIDIA devices are present"
 
 
-def apply_gpu_bundle(environ=os.environ, announce=None) -> str | None:
-    """Merge the bundle into environ['XLA_FLAGS'] when the run will be on GPUs; returns the line that
-    says so (also passed to `announce`), or None when nothing was applied. Call before JAX starts."""
+def apply_gpu_bundle(environ=os.environ, announce=None, force: bool = False) -> str | None:
+    """Merge the bundle into environ['XLA_FLAGS'] when the run will be on GPUs (`force`: compiled for
+    GPUs, as the GPU dry run is); returns the line that says so (also passed to `announce`), or None
+    when nothing was applied. Call before JAX starts."""
     if environ.get("JAXPAR_XLA_BUNDLE", "1").lower() in ("0", "false", "off"):
         return None
-    on_gpu, _ = runs_on_gpu(environ)
+    on_gpu = force or runs_on_gpu(environ)[0]
     if not on_gpu:
         return None
     merged, added, kept = merge(environ.get("XLA_FLAGS", ""))

@@ -122,6 +122,8 @@ LITERAL = """HloModule m, is_scheduled=true
   %agd = f32[16,256]{1,0} all-gather-done(%ags)
   %cps = (f32[8,256]{1,0}, f32[8,256]{1,0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,4},{4,0}}
   %cpd = f32[8,256]{1,0} collective-permute-done(%cps)
+  %rss = (f32[16,256]{1,0}, f32[8,256]{1,0}) reduce-scatter-start(%agd), replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}, to_apply=%add
+  %rsd = f32[8,256]{1,0} reduce-scatter-done(%rss)
   ROOT %t = (s32[], f32[8,256]{1,0}) tuple(%i, %cpd)
 }
 
@@ -144,15 +146,16 @@ ENTRY %main (a: f32[8,256]) -> f32[8,256] {
 
 
 def test_literal_module_async_ops_tuples_and_inferred_trip_count(mesh):
-    got = {(e["op"], e["axis"], e["dtype"]): (e["count"], e["bytes"]) for e in collectives(LITERAL, mesh)}
+    got = {(e["op"], e["axis"], e["dtype"]): (e["count"], e["bytes"], e["async"]) for e in collectives(LITERAL, mesh)}
     assert got == {
-        ("all-gather", "dp", "f32"): (5, 5 * 16 * 256 * 4),  # trip count 7 - 2, output size
-        ("collective-permute", "dp", "f32"): (5, 5 * 8 * 256 * 4),  # u32 contexts not counted
-        ("all-reduce", "dp+tp", "f32"): (1, 8 * 256 * 4),  # tuple all-reduce: per dtype
-        ("all-reduce", "dp+tp", "bf16"): (1, 4 * 2),
+        ("all-gather", "dp", "f32"): (5, 5 * 16 * 256 * 4, 5),  # trip count 7 - 2, output size, all async
+        ("collective-permute", "dp", "f32"): (5, 5 * 8 * 256 * 4, 5),  # u32 contexts not counted
+        ("reduce-scatter", "dp", "f32"): (5, 5 * 16 * 256 * 4, 5),  # GPU's (inputs, outputs): the input's bytes
+        ("all-reduce", "dp+tp", "f32"): (1, 8 * 256 * 4, 0),  # tuple all-reduce: per dtype; synchronous
+        ("all-reduce", "dp+tp", "bf16"): (1, 4 * 2, 0),
     }
     table = summarize(collectives(LITERAL, mesh))
-    assert len(table.splitlines()) == 5 and "collective-permute" in table
+    assert len(table.splitlines()) == 6 and "collective-permute" in table
 
 
 # ----------------------------------------------------------------------------- mesh-axes replica groups
