@@ -208,7 +208,8 @@ def gpu_text(report: dict) -> list[str]:
         return []
     b, k = hlo.human_bytes, report["kernels"]
     fit = "fits" if report["fits"] else "does NOT fit"
-    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {b(report['per_device_bytes']['peak'])})",
+    peak = b(report["per_device_bytes"]["peak"])
+    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak})",
             f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls), "
             f"{k['gemm_calls']} cuBLAS GEMM calls"]
 
