@@ -49,7 +49,12 @@ POOL_SCRIPT = textwrap.dedent("""
     emulate_cpu_devices(8)
     import jax
     jax.devices()
-    names = [pathlib.Path(t, "comm").read_text().strip() for t in pathlib.Path("/proc/self/task").iterdir()]
+    def name(task):
+        try:
+            return pathlib.Path(task, "comm").read_text().strip()
+        except FileNotFoundError:  # a short-lived thread ended between the listing and the read
+            return ""
+    names = [name(t) for t in pathlib.Path("/proc/self/task").iterdir()]
     print(os.environ["PJRT_NPROC"], sum(name.endswith("XLAEigen") for name in names))
 """)
 
