@@ -31,6 +31,7 @@ import pathlib
 import sys
 
 from jaxpar.errors import ConfigError
+from jaxpar.planner.hardware import ALIASES  # the planner's profile names
 
 INSTALL = "make gpu-aot (or pip install 'jaxpar[gpu-aot]')"
 # Where `make gpu-aot` puts the compiler's packages (pip --target), outside the venv: installed there, the
@@ -66,7 +67,6 @@ TARGETS = {t.name: t for t in (
     GpuTarget("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 85_100_068_864, 2_039_040_000_000,
               41_943_040, 167_936, 166_912),
 )}
-ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "h200-141gb": "h200"}  # as the planner's
 
 
 def target(name: str) -> GpuTarget:
