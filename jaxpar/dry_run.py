@@ -154,6 +154,7 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None) -> dict:
     }
     if gpu is not None:
         report.update(gpu_fields(gpu, per_device, text))
+        report.update(schedule_fields(config, mesh, gpu, text, model_flops / mesh.size))
         report["notes"].append("GPU-compiled, no device: XLA's GPU compiler without autotuning (default GEMM "
                                "tiles, cuBLAS GEMMs: Triton GEMM fusions off); memory is a close estimate")
     return report
@@ -168,6 +169,21 @@ def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
     return {"target": gpu.name, "hbm_bytes": gpu.memory_bytes, "fits": per_device["peak"] <= gpu.memory_bytes,
             "kernels": {"attention": "cudnn" if cudnn else "xla", "cudnn_attention_calls": cudnn,
                         "gemm_calls": gemms}}
+
+
+def schedule_fields(config: Config, mesh, gpu: GpuTarget, text: str, model_flops_per_device: float) -> dict:
+    """`overlap` and `estimate` read from the scheduled GPU program (jaxpar.gpu_program), and the
+    planner's figures for the same layout beside them."""
+    from jaxpar.gpu_program import read_schedule
+    from jaxpar.planner import cost, hardware, memory
+
+    hw = hardware.get(gpu.name)
+    read = read_schedule(text, mesh, hw, model_flops_per_device)
+    nodes = len({getattr(d, "process_index", 0) for d in mesh.devices.flat})
+    planned = cost.step_time(config, hw, mesh.size // nodes)
+    peak = memory.estimate(config, "gpu")["per_device_bytes"]["peak"]
+    return {**read, "planner": {"step_s": planned["step_s"], "mfu": planned["mfu"], "peak_bytes": peak,
+                                "matmul_efficiency": hw.matmul_efficiency}}
 
 
 def format_report(report: dict) -> str:
@@ -209,9 +225,16 @@ def gpu_text(report: dict) -> list[str]:
     b, k = hlo.human_bytes, report["kernels"]
     fit = "fits" if report["fits"] else "does NOT fit"
     peak = b(report["per_device_bytes"]["peak"])
-    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak})",
+    est, plan = report["estimate"], report["planner"]
+    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak}; planner {b(plan['peak_bytes'])})",
             f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls), "
-            f"{k['gemm_calls']} cuBLAS GEMM calls"]
+            f"{k['gemm_calls']} cuBLAS GEMM calls",
+            f"estimated step (XLA's schedule, no device): {est['step_s']:.4g} s, MFU {est['mfu']:.1%}; compute "
+            f"{est['compute_s']:.4g} s, exposed communication {est['exposed_comm_s']:.4g} s "
+            f"(planner: {plan['step_s']:.4g} s, MFU {plan['mfu']:.1%})",
+            "collectives overlapped with compute in the schedule:",
+            *(f"  {r['op']:<18} {r['axis']:<12} {b(r['bytes']):>12} per step, {b(r['bytes_overlapped']):>12} "
+              f"overlapped, compute waits {r['exposed_s']:.4g} s" for r in report["overlap"])]
 
 
 def flops_text(report: dict) -> str:

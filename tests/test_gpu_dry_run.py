@@ -43,6 +43,16 @@ def test_cudnn_attention_under_auto_none_with_xla_and_every_bundle_flag_accepted
     # XLA aborts on a flag it does not know, so a finished compile accepted every one the bundle set
     bundle_line = next(line for line in done.stdout.splitlines() if "XLA flags for GPUs" in line)
     assert all(f"--{name}=" in bundle_line for name, _, _ in GPU_BUNDLE)
+    # the schedule walk (jaxpar.gpu_program) sees the bytes the collectives reader (jaxpar.hlo) counts
+    summed = {}
+    for e in report["collectives"]:
+        summed[(e["op"], e["axis"])] = summed.get((e["op"], e["axis"]), 0) + e["bytes"]
+    assert {(r["op"], r["axis"]): r["bytes"] for r in report["overlap"]} == summed
+    assert all(0 <= r["bytes_overlapped"] <= r["bytes"] for r in report["overlap"])
+    est = report["estimate"]
+    assert 0 < est["compute_s"] <= est["step_s"] and est["exposed_comm_s"] == est["step_s"] - est["compute_s"]
+    assert est["mfu"] == report["model_flops_per_device"] / (est["step_s"] * 989e12)
+    assert set(report["planner"]) >= {"step_s", "mfu", "peak_bytes"} and "estimated step" in done.stdout
 
     done, report = dry_run(tmp_path, *TINY, "--gpu", "h100", "--config.model.attention=xla")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -83,6 +93,52 @@ def test_gpu_without_dry_run_and_missing_compiler_are_one_line(tmp_path):
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "--gpu needs XLA's GPU compiler, which is not installed" in done.stderr.strip().splitlines()[-1]
     assert "make gpu-aot" in done.stderr
+
+
+def overlap(report, op, axis) -> dict:
+    return next(r for r in report["overlap"] if (r["op"], r["axis"]) == (op, axis))
+
+
+def test_zero3_prefetch_gathers_the_next_layer_during_this_layers_gemms(tmp_path):
+    done, report = dry_run(tmp_path, *TINY, "--gpu", "h100", "--config.mesh.dp=8", "--config.mesh.tp=1",
+                           "--config.zero.stage=3", "--config.remat.policy=full", "--config.model.n_layers=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert report["components"]["llm"]["zero3_prefetch"] is True
+    gathers = overlap(report, "all-gather", "dp")
+    assert gathers["bytes_overlapped"] >= gathers["bytes"] / 2 > 0
+
+
+# A model big enough that XLA's scheduler finds overlapping a gradient reduction worth it (d_model 1024)
+MEDIUM = ["--config.model.d_model=1024", "--config.model.d_ff=4096", "--config.model.n_heads=8",
+          "--config.model.n_kv_heads=8", "--config.train.seq_len=1024", "--config.model.n_layers=4"]
+
+
+@pytest.mark.slow
+def test_the_pipelines_early_dp_reductions_overlap_the_later_ticks_at_v2(tmp_path):
+    """At v = 2 the top chunk's gradients are final before the last tick and reduced there (jaxpar.parallel.
+    pipeline): about half the dp bytes run beside the remaining ticks. Without after_on_every_backend
+    XLA's all-reduce combiner merged them with the rest into one reduction after the last tick (0 bytes)."""
+    done, report = dry_run(tmp_path, *TINY, *MEDIUM, "--gpu", "h100", "--gpus_per_node", "4", "--config.mesh.dp=2",
+                           "--config.mesh.pp=2", "--config.mesh.tp=2", "--config.pipeline.virtual_stages=2",
+                           "--config.pipeline.microbatches=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    reductions = overlap(report, "all-reduce", "dp")
+    assert reductions["bytes_overlapped"] >= 0.4 * reductions["bytes"]
+
+
+# The H200 measurements in BENCHMARKS.md (first section): the 1B Llama, XLA attention, seconds per step
+H200_STEP_S = {"none": 0.324, "selective": 0.251, "full": 0.285}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", sorted(H200_STEP_S))
+def test_the_estimate_is_within_35_percent_of_the_h200_measurements(tmp_path, policy):
+    done, report = dry_run(tmp_path, "--config", "llama1b", "--gpu", "h200", "--config.model.attention=xla",
+                           f"--config.remat.policy={policy}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    ratio = report["estimate"]["step_s"] / H200_STEP_S[policy]
+    print(f"{policy}: estimated {report['estimate']['step_s']:.3f} s, measured {H200_STEP_S[policy]} s")
+    assert 1 / 1.35 < ratio < 1.35, ratio
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.layers.collectives import varying_of
-from jaxpar.layers.order import after, chain, cotangent_summed, ordered_both_ways
+from jaxpar.layers.order import after, after_on_every_backend, chain, cotangent_summed, ordered_both_ways
 from jaxpar.parallel.residuals import InputStash, ResidualStash
 from jaxpar.parallel.schedule import IDLE, Schedule
 
@@ -337,8 +337,11 @@ class Pipeline:
                 size = jax.tree.leaves(params["layers"])[0].shape[0] // self.v
                 final = jax.tree.map(lambda a: a[part[1] * size:(part[1] + 1) * size], grads["layers"])
                 grads = {**grads, "layers": jax.tree.map(lambda a: a[:part[1] * size], grads["layers"])}
-            # after the tick's sends and the reduction issued before it (one collective order on XLA:CPU)
-            final = after(final, carry, reduced[list(reduced)[-1]] if reduced else None)
+            # after the tick's sends and the reduction issued before it (one collective order on XLA:CPU);
+            # on every backend after the previous reduction, which XLA would otherwise merge with this one
+            # into one reduction after the last tick (its all-reduce / reduce-scatter combiners)
+            final = after(final, carry)
+            final = after_on_every_backend(final, reduced[list(reduced)[-1]] if reduced else None)
             if name != "layers":
                 final = chain(lambda g, w: g if varies_over(w, PP) else jax.lax.psum(g, PP), final, params[name],
                               start=final)

@@ -1,0 +1,361 @@
+"""Time in the scheduled GPU program: which collectives overlap compute, and the step time it implies.
+
+Why: a GPU dry run (jaxpar.gpu_aot) gives XLA's own schedule of the step, with each async collective's
+start and done placed where the latency-hiding scheduler put them. Reading time off that schedule says
+what overlaps (ZeRO-3 prefetch, the pipeline's early dp reductions, tp all-reduces) in the program that
+would run, where the planner (jaxpar.planner.cost) can only assume it. No device: every second here is
+a model, a roofline walk of the schedule, not a measurement.
+
+The model:
+- A compiled GPU module is scheduled (`is_scheduled=true`): within a computation, instructions run in
+  text order on one compute stream; async collectives (`*-start` .. `*-done`, or an `async-start`
+  wrapping one) run one after another on one communication stream, host copies (`copy-start`) on
+  their own.
+- A kernel (fusion, library call, copy, ...) costs max(FLOPs / (peak x MATMUL_EFFICIENCY), bytes /
+  HBM bandwidth) + KERNEL_LAUNCH_S. FLOPs: dots and convolutions inside it (jaxpar.hlo), cuBLAS GEMMs,
+  cuDNN flash attention (4 b h sq sk d forward, 2.5 times that backward, which recomputes the scores;
+  half with a causal mask, whose masked blocks the kernel skips). Bytes: operands read plus results
+  written; a fusion operand it only slices counts its slices, and the buffer a dynamic-update-slice
+  writes in place counts the update alone (a layer scan reads one layer of its stacked weights).
+- A collective costs COLLECTIVE_LATENCY_S plus its ring time over the link its groups cross, with the
+  planner's figures (jaxpar.planner.cost.link_bandwidth: NVLink inside a node, the node's NICs shared
+  by its GPUs across nodes): all-reduce 2 (n-1)/n x bytes, all-gather / reduce-scatter / all-to-all
+  (n-1)/n x bytes (the full buffer), collective-permute its bytes. A synchronous one holds the compute
+  stream; an async one starts once reached and its stream is free, and its done waits for it: the
+  waiting is the exposed communication.
+- A while loop runs its body trip-count times, costed as the first iteration plus the second times the
+  rest (the second is the steady state: a collective XLA pipelines across iterations starts in one
+  and is done in the next). A conditional costs its costliest branch.
+MATMUL_EFFICIENCY is fitted to the one GPU measurement (below; recalibrate whenever one lands); the two
+latencies are assumptions; peak FLOP/s, HBM and link bandwidths are the planner's profile's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+
+import numpy as np
+
+from jaxpar import hlo
+from jaxpar.planner.hardware import GB, Hardware
+
+# Fitted to the H200 rows in BENCHMARKS.md (the 1B Llama, XLA attention, remat none / selective / full:
+# 0.324 / 0.251 / 0.285 s measured; this value gives 0.339 / 0.243 / 0.278 s, errors +5 / -3 / -3%); the
+# planner's profiles keep their own assumption (0.7) until the planner is fitted to this estimate.
+MATMUL_EFFICIENCY = 0.55
+KERNEL_LAUNCH_S = 3e-6  # per kernel: launch and tail of a small grid (assumption, see the docstring)
+COLLECTIVE_LATENCY_S = 10e-6  # per collective: NCCL's small-message latency on NVLink (assumption)
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
+         "after-all", "opt-barrier", "add-dependency", "async-update"}
+_RING = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+         "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+         "collective-permute": lambda n: 1.0}
+_SLICES = {"dynamic-slice", "slice", "gather"}
+
+
+@dataclasses.dataclass
+class _Flight:
+    """An async transfer under way: its row, bytes, stream, end time and the compute done at its start."""
+    key: tuple[str, str]
+    nbytes: float
+    stream: str
+    end: float
+    compute_at_start: float
+
+
+@dataclasses.dataclass
+class _State:
+    now: float = 0.0  # the compute stream's clock
+    compute_s: float = 0.0  # kernel seconds
+    exposed_s: float = 0.0  # compute stream waiting on transfers (synchronous ones included)
+    comm_s: float = 0.0  # transfer seconds on the streams
+    flops: float = 0.0
+    free: dict = dataclasses.field(default_factory=dict)  # stream -> when it is free
+    pending: dict = dataclasses.field(default_factory=dict)  # start instruction name -> _Flight
+    carried: list = dataclasses.field(default_factory=list)  # started, to be done in a later computation
+    rows: dict = dataclasses.field(default_factory=dict)  # (op, axis) -> [bytes, overlapped, seconds waited]
+
+
+_TOTALS = ("now", "compute_s", "exposed_s", "comm_s", "flops")
+
+
+class _Walker:
+    def __init__(self, text: str, mesh, hw: Hardware, matmul_efficiency: float):
+        self.comps, self.entry = hlo.parse_module(text)
+        if self.entry is None:
+            raise ValueError("no ENTRY computation in HLO text")
+        self.mesh, self.hw, self.matmul_rate = mesh, hw, hw.peak_flops * matmul_efficiency
+        self.n_devices = int(np.asarray(mesh.devices).size)
+        flat = list(np.asarray(mesh.devices).flat)
+        self.node = [getattr(d, "process_index", 0) for d in flat]  # a GPU dry run's node = its process
+        self.gpus_per_node = max(1, self.n_devices // len(set(self.node)))
+        self.flops_memo: dict = {}
+        self.link_memo: dict = {}
+        self.unknown_trips = False
+
+    # ------------------------------------------------------------------ the walk
+    def walk(self, name: str, st: _State, depth: int = 0) -> None:
+        if depth > 64:
+            return
+        instrs = {i["name"]: i for i in self.comps.get(name, [])}
+        outer, st.pending = st.pending, {}  # a start's done is in its own computation, or carried out of it
+        for ins in self.comps.get(name, []):
+            op = ins["op"]
+            if op in _FREE:
+                continue
+            if op == "while":
+                self._loop(ins, instrs, st, depth)
+            elif op == "conditional":
+                self._branches(ins, st, depth)
+            elif op == "call":
+                for callee in hlo._called(ins):
+                    self.walk(callee, st, depth + 1)
+            elif op.endswith("-done") or op == "async-done":
+                self._done(ins, st)
+            elif self._transfer(ins, instrs, st):
+                continue
+            else:
+                self._kernel(ins, instrs, st)
+        st.carried.extend(st.pending.values())  # started here, done after (a loop carry)
+        st.pending = outer
+
+    def _loop(self, ins: dict, instrs: dict, st: _State, depth: int) -> None:
+        body, n = hlo._while_parts(self.comps, ins, instrs)
+        if body is None or n == 0:
+            return
+        self.unknown_trips |= n is None
+        self.walk(body, st, depth + 1)
+        if not n or n < 2:
+            return
+        before = {k: getattr(st, k) for k in _TOTALS}
+        rows = {k: list(v) for k, v in st.rows.items()}
+        self.walk(body, st, depth + 1)  # the steady-state iteration
+        extra = n - 2
+        shift = (st.now - before["now"]) * extra
+        for k in _TOTALS:
+            setattr(st, k, getattr(st, k) + (getattr(st, k) - before[k]) * extra)
+        for key, row in st.rows.items():
+            first = rows.get(key, [0.0] * len(row))
+            st.rows[key] = [now + (now - then) * extra for now, then in zip(row, first)]
+        st.free = {s: t + shift for s, t in st.free.items()}
+        for flight in st.carried:
+            flight.end += shift
+            flight.compute_at_start += shift
+
+    def _branches(self, ins: dict, st: _State, depth: int) -> None:
+        outcomes = []
+        for callee in hlo._called(ins):
+            branch = copy.deepcopy(st)
+            self.walk(callee, branch, depth + 1)
+            outcomes.append(branch)
+        if outcomes:
+            chosen = max(outcomes, key=lambda b: b.now)
+            for field in dataclasses.fields(st):
+                setattr(st, field.name, getattr(chosen, field.name))
+
+    # ------------------------------------------------------------------ kernels
+    def _kernel(self, ins: dict, instrs: dict, st: _State) -> None:
+        flops, nbytes = self.kernel_cost(ins, instrs)
+        seconds = max(flops / self.matmul_rate,
+                      nbytes / (self.hw.hbm_tbps * 1e12)) + KERNEL_LAUNCH_S
+        st.now += seconds
+        st.compute_s += seconds
+        st.flops += flops
+
+    def kernel_cost(self, ins: dict, instrs: dict) -> tuple[float, float]:
+        """(FLOPs, HBM bytes) of one kernel."""
+        op = ins["op"]
+        target = re.search(r'custom_call_target="([^"]+)"', ins["attrs"]) if op == "custom-call" else None
+        if op == "fusion":
+            callee = re.search(r"calls=%?([\w.\-]+)", ins["attrs"]).group(1)
+            counted = hlo._comp_flops(self.comps, callee, self.flops_memo)
+            return counted["dot"] + counted["convolution"], self._fusion_bytes(ins, instrs, callee)
+        nbytes = sum(_nbytes(instrs[a]["shape"]) for a in ins["args"] if a in instrs) + _result_bytes(ins["shape"])
+        if target and target.group(1).startswith("__cudnn$fmha"):
+            return attention_flops(ins, instrs), nbytes
+        own = hlo._instr_flops(ins, instrs)
+        return (own[1] or 0.0) if own else 0.0, nbytes
+
+    def _fusion_bytes(self, ins: dict, instrs: dict, callee: str) -> float:
+        """Bytes a fusion reads and writes: a parameter only sliced counts its slices; the buffer a root
+        dynamic-update-slice updates in place is neither read nor written whole (bitcasts seen through)."""
+        body = self.comps.get(callee, [])
+        if not body:
+            return 0.0
+        by_name = {i["name"]: i for i in body}
+        users: dict[str, list[dict]] = {}
+        for i in body:
+            for a in i["args"]:
+                users.setdefault(a, []).append(i)
+
+        def source(name: str) -> str:  # the value a chain of bitcasts starts from
+            while name in by_name and by_name[name]["op"] == "bitcast":
+                name = by_name[name]["args"][0]
+            return name
+
+        def uses(name: str) -> list[tuple[str, dict]]:  # (the name used, user), through bitcasts
+            out = []
+            for u in users.get(name, []):
+                out.extend(uses(u["name"]) if u["op"] == "bitcast" else [(name, u)])
+            return out
+
+        root = body[-1]
+        outputs = [by_name.get(source(a)) for a in root["args"]] if root["op"] == "tuple" else [
+            by_name.get(source(root["name"]))]
+        in_place = {source(o["args"][0]) for o in outputs if o and o["op"] == "dynamic-update-slice"}
+        read = 0.0
+        for i in body:
+            if i["op"] != "parameter" or i["name"] in in_place:
+                continue
+            used = uses(i["name"])
+            if used and all(u["op"] in _SLICES and u["args"][0] == name for name, u in used):
+                read += sum(_nbytes(u["shape"]) for _, u in used)
+            else:
+                k = int(i["args"][0])
+                arg = ins["args"][k] if k < len(ins["args"]) else None
+                read += _nbytes(instrs[arg]["shape"]) if arg in instrs else _nbytes(i["shape"])
+        written = 0.0
+        for o in outputs:
+            if o is None:
+                continue
+            update = by_name.get(o["args"][1]) if o["op"] == "dynamic-update-slice" else None
+            written += _nbytes(update["shape"]) if update else _nbytes(o["shape"])
+        return read + written
+
+    # ------------------------------------------------------------------ transfers
+    def _transfer(self, ins: dict, instrs: dict, st: _State) -> bool:
+        """Start (or run, if synchronous) a collective or host copy; False if `ins` is neither."""
+        op = ins["op"]
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        inner = ins
+        if op == "async-start":
+            inner = next((i for c in hlo._called(ins) for i in self.comps.get(c, [])
+                          if i["op"] in hlo.OPS), None)
+            if inner is None:  # an async computation that is not a collective: its kernels run in line
+                for callee in hlo._called(ins):
+                    self.walk(callee, st)
+                return True
+            base = inner["op"]
+        if base == "copy" and op == "copy-start":
+            nbytes = _result_bytes(_first(ins["shape"]))
+            self._start(ins["name"], ("host-copy", "host"), nbytes, nbytes / (self.hw.pcie_gbps * GB), "host", st)
+            return True
+        if base not in hlo.OPS:
+            return False
+        key, nbytes, seconds = self.collective_cost(inner, base)
+        if op.endswith("-start"):
+            self._start(ins["name"], key, nbytes, seconds, "collectives", st)
+        else:  # synchronous: the compute stream runs it
+            begin = max(st.now, st.free.get("collectives", 0.0))
+            st.free["collectives"] = begin + seconds
+            row = st.rows.setdefault(key, [0.0, 0.0, 0.0])
+            row[0] += nbytes
+            row[2] += begin + seconds - st.now
+            st.exposed_s += begin + seconds - st.now
+            st.comm_s += seconds
+            st.now = begin + seconds
+        return True
+
+    def _start(self, name: str, key, nbytes: float, seconds: float, stream: str, st: _State) -> None:
+        begin = max(st.now, st.free.get(stream, 0.0))
+        st.free[stream] = begin + seconds
+        st.comm_s += seconds
+        st.pending[name] = _Flight(key, nbytes, stream, begin + seconds, st.compute_s)
+        st.rows.setdefault(key, [0.0, 0.0, 0.0])[0] += nbytes
+
+    def _done(self, ins: dict, st: _State) -> None:
+        flight = st.pending.pop(ins["args"][0], None) if ins["args"] else None
+        if flight is None and st.carried:  # started in another computation (a loop's previous iteration)
+            kind = ins["op"][:-len("-done")]
+            match = [f for f in st.carried if f.key[0] == kind or kind in ("async", "copy")]
+            flight = (match or st.carried)[0]
+            st.carried.remove(flight)
+        if flight is None:
+            return
+        if flight.end > st.now:
+            st.rows[flight.key][2] += flight.end - st.now
+            st.exposed_s += flight.end - st.now
+            st.now = flight.end
+        if st.compute_s > flight.compute_at_start:
+            st.rows[flight.key][1] += flight.nbytes
+
+    def collective_cost(self, ins: dict, base: str) -> tuple[tuple[str, str], float, float]:
+        """((op, axis), bytes, seconds) of one execution of a collective."""
+        nbytes = float(sum(hlo._collective_bytes(ins, base, self.n_devices).values()))
+        attrs = ins["attrs"]
+        memo_key = (base, re.sub(r"metadata=\{.*", "", attrs))
+        if memo_key not in self.link_memo:
+            if base == "collective-permute":
+                axis = hlo.permute_axis(attrs, self.mesh)
+                pairs = [(int(s), int(t)) for s, t in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", attrs)]
+                n, crosses = 2, any(self.node[s] != self.node[t] for s, t in pairs)
+            else:
+                groups = hlo.parse_replica_groups(attrs, self.n_devices)
+                axis = hlo.axis_label(groups, self.mesh)
+                n = len(groups[0])
+                crosses = any(len({self.node[d] for d in g}) > 1 for g in groups)
+            bandwidth = (self.hw.ib_gbps_per_node / self.gpus_per_node if crosses else self.hw.nvlink_gbps / 2) * GB
+            self.link_memo[memo_key] = (axis, n, bandwidth)
+        axis, n, bandwidth = self.link_memo[memo_key]
+        seconds = 0.0 if n <= 1 else COLLECTIVE_LATENCY_S + _RING[base](n) * nbytes / bandwidth
+        return (base, axis), nbytes, seconds
+
+
+def attention_flops(ins: dict, instrs: dict) -> float:
+    """Matmul FLOPs of one cuDNN flash-attention call: QK^T and PV over the [b, h, sq, sk] scores (4 b h
+    sq sk d), half of it under a causal mask, 2.5 times it for the backward (dQ, dK, dV, dP and the
+    recomputed scores: five matmuls to the forward's two)."""
+    attrs = ins["attrs"]
+    scores = re.search(r'"intermediate_tensor_shape".*?"dimensions":\s*\[([^\]]*)\]', attrs)
+    query = instrs.get(ins["args"][0]) if ins["args"] else None
+    if scores is None or query is None:
+        return 0.0
+    b, h, sq, sk = (int(x) for x in re.findall(r"\d+", scores.group(1)))
+    head_dim = hlo._dims(query["shape"])[-1]
+    flops = 4.0 * b * h * sq * sk * head_dim
+    if '"mask_type": "CAUSAL"' in attrs or '"mask_type":"CAUSAL"' in attrs:
+        flops /= 2
+    target = re.search(r'custom_call_target="([^"]+)"', attrs).group(1)
+    return flops * (2.5 if "Backward" in target else 1.0)
+
+
+def _nbytes(shape: str) -> float:
+    return float(sum(hlo._bytes_by_dtype(shape).values()))
+
+
+def _result_bytes(shape: str) -> float:
+    """Bytes a kernel writes: its results less library scratch space (s8/u8 workspaces)."""
+    return float(sum(_nbytes(e) for e in hlo._tuple_elems(shape) if not re.match(r"\s*[su]8\[", e)))
+
+
+def _first(shape: str) -> str:
+    return hlo._tuple_elems(shape)[0]
+
+
+def read_schedule(text: str, mesh, hw: Hardware, model_flops_per_device: float,
+                  matmul_efficiency: float = MATMUL_EFFICIENCY) -> dict:
+    """`overlap` rows and the `estimate` of one step of the scheduled GPU program `text` (see the module
+    docstring) on `mesh`'s devices with `hw`'s rates.
+
+    overlap: per (op, axis), `bytes` executed per step (loops x trip count), `bytes_overlapped` (those of
+    async collectives whose start..done window holds compute) and `exposed_s` (seconds the compute
+    stream waits on them). estimate: `step_s`, `mfu` (model FLOPs per device / (step_s x peak)),
+    `compute_s` (kernel seconds), `exposed_comm_s` (the rest), `comm_s` (transfer seconds, hidden or
+    not), `executed_flops` (matmul and attention FLOPs priced)."""
+    walker = _Walker(text, mesh, hw, matmul_efficiency)
+    st = _State()
+    walker.walk(walker.entry, st)
+    for flight in st.carried:  # never waited for inside the step: the step ends when it does
+        if flight.end > st.now:
+            st.rows[flight.key][2] += flight.end - st.now
+            st.now = flight.end
+    overlap = [{"op": op, "axis": axis, "bytes": int(b), "bytes_overlapped": int(o), "exposed_s": waited}
+               for (op, axis), (b, o, waited) in sorted(st.rows.items())]
+    step_s = st.now
+    estimate = {"step_s": step_s, "mfu": model_flops_per_device / (step_s * hw.peak_flops) if step_s else 0.0,
+                "compute_s": st.compute_s, "exposed_comm_s": step_s - st.compute_s, "comm_s": st.comm_s,
+                "executed_flops": st.flops, "hardware": hw.name, "matmul_efficiency": matmul_efficiency,
+                "trip_count_unknown": walker.unknown_trips}
+    return {"overlap": overlap, "estimate": estimate}
