@@ -10,6 +10,7 @@ same iteration, so nothing forces the collective to wait for the layer or the la
 import dataclasses
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from conftest import TINY_MODEL, builder_for, make_config, replace
 from jaxpar import hlo
 from jaxpar.config import RematConfig, ZeroConfig
 from jaxpar.layers.order import ordering
-from test_equivalence import LOSS_RTOL, assert_grads_close, run
+from test_equivalence import LOSS_RTOL, assert_grads_close, batches, run
 
 
 def zero3_config(dp, tp, n_layers=2, remat="full", prefetch=True, **overrides):
@@ -130,3 +131,19 @@ def test_without_prefetch_each_gather_feeds_its_own_layer(remat, prefetch):
     assert not builder_for(config).zero.prefetches
     gathers = [c for c in loop_collectives(compiled_text(config), ("all-gather",)) if c["op"] == "all-gather"]
     assert gathers and all(c["feeds_compute"] for c in gathers)
+
+
+# ----------------------------------------------------------------------------- the gradient norm
+
+@pytest.mark.parametrize("dp,tp,stage", [(4, 2, 0), (4, 2, 1), (8, 1, 1), (4, 2, 2), (4, 2, 3)])
+def test_grad_norm_is_the_norm_of_the_step_gradient(dp, tp, stage):
+    """StepBuilder._global_norm (one all-reduce) equals the L2 norm of the reduced gradient; under ZeRO-1
+    each device sums only its dp shard of the all-reduced gradient, each shard counted once."""
+    config = make_config(dp=dp, tp=tp, stage=stage)
+    builder = builder_for(config)
+    state = builder.init_state(config.train.seed)
+    batch = jax.device_put(batches(config)[0], builder.batch_sharding())
+    _, metrics = builder.jit_train_step(with_grads=True)(state, batch)
+    grads = jax.tree.leaves(jax.device_get(metrics["grads"]))
+    expected = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in grads))
+    np.testing.assert_allclose(float(metrics["grad_norm"]), expected, rtol=1e-5)
