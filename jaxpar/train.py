@@ -143,12 +143,12 @@ def run(argv: list[str]) -> int:
 
     # Flags, config and workdir are checked before JAX is even imported: a mistake costs no start-up time.
     args, overrides = parse_args(argv)
+    gpu = _gpu_target(args)  # before anything imports JAX (validating some configs imports model code)
     config = load_config(args.config, overrides)
     if (warning := pipeline_warning(config)) is not None:
         print(warning, file=sys.stderr)
     workdir = pathlib.Path(args.workdir or f"runs/{pathlib.Path(args.config).stem}")
     ensure_writable(workdir)
-    gpu = _gpu_target(args)
     if not args.dry_run:  # data mistakes, like config ones, surface before JAX starts
         from jaxpar.data.demo import check_paths, ensure_demo_data
 
