@@ -1,5 +1,6 @@
 """Every test runs on 8 emulated CPU devices (set before JAX's first backend use), with the trainer's
-load-tolerant collective timeout (the suite runs in 2 workers on 2 cores)."""
+load-tolerant collective timeout (the suite runs in 2 workers on 2 cores), and compiles in-process
+programs with XLA's backend (LLVM codegen) optimisation level 0 (see fast_codegen_in_this_process)."""
 
 from jaxpar.mesh import emulate_cpu_devices
 
@@ -10,8 +11,38 @@ import importlib  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# XLA's default backend optimisation level, what every run outside this test process compiles with: the
+# tests that compare a default compile with a fast one pass it explicitly (compiler options win over XLA_FLAGS).
+XLA_DEFAULT_CODEGEN = {"xla_backend_optimization_level": 3}
+FAST_CODEGEN_FLAG = "--xla_backend_optimization_level=0"
+
+
+def fast_codegen_in_this_process() -> None:
+    """Compile this process's programs with XLA's backend optimisation level 0: LLVM's codegen only, the
+    HLO passes (SPMD partitioning, collectives, buffer assignment) are the same, so every layout,
+    collective and memory check sees the program a run compiles (tests/test_collectives.py::
+    test_optimised_hlo_does_not_depend_on_backend_opt_level, tests/test_dry_run.py::
+    test_fast_compile_keeps_memory_analysis), and both sides of every numerical comparison are compiled
+    alike. Compiles take about half the time, and compiling is most of `make test`.
+
+    XLA reads XLA_FLAGS once per process, at its first compile: the flag is in the environment for that
+    compile and taken out again, so subprocesses (every `python -m jaxpar.train` a test starts, the GPU
+    dry runs) compile with XLA's defaults as a user's run does. A level in the user's XLA_FLAGS wins."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" in flags:
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} {FAST_CODEGEN_FLAG}".strip()
+    try:
+        jax.jit(lambda x: x + 1).lower(np.float32(0)).compile()
+    finally:
+        os.environ["XLA_FLAGS"] = flags
+
+
+fast_codegen_in_this_process()
 
 from jaxpar.config import Config, MeshConfig, ModelConfig, TrainConfig, ZeroConfig, validate  # noqa: E402
 from jaxpar.mesh import Layout  # noqa: E402

@@ -70,12 +70,20 @@ def test_cached_decoding_equals_the_full_forward(hf_dirs):
 
 
 def test_greedy_with_the_cache_equals_greedy_without_it(hf_dirs):
-    """Without a cache: the whole sequence through the training forward at every step."""
+    """Without a cache: the whole sequence through the training forward at every step (padded to its
+    final length, so one compiled program: causal attention keeps the padding out of the positions
+    before it, and the next token is read at the last real one)."""
     config, weights, mesh, _, _ = load(hf_dirs["llama3_rope"][0], 1)
     params, coll, ids = jax.device_get(weights), Collectives(), list(PROMPT)
+
+    @jax.jit
+    def logits(tokens):
+        x = llama.run_layers(llama.embed_tokens(params, tokens, coll), params["layers"], config, coll)
+        return llama.head_logits(params, x, config, coll)[0]
+
     for _ in range(NEW):
-        x = llama.run_layers(llama.embed_tokens(params, jnp.asarray([ids]), coll), params["layers"], config, coll)
-        ids.append(int(jnp.argmax(llama.head_logits(params, x, config, coll)[0, -1])))
+        padded = ids + [0] * (len(PROMPT) + NEW - len(ids))
+        ids.append(int(jnp.argmax(logits(jnp.asarray([padded]))[len(ids) - 1])))
     assert gen.generate(config, weights, mesh, PROMPT, NEW) == ids[len(PROMPT):]
 
 
@@ -127,7 +135,7 @@ def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
     from jaxpar.models import vit, vla
 
     config = load_config("vla_tiny", ["data.train=", "data.eval=", "data.generate=false", "train.steps=2",
-                                      "train.global_batch_size=8", "train.lr=0.01",
+                                      "train.global_batch_size=8", "train.lr=0.01", "eval.rollouts=0",
                                       "mesh.dp=2", "mesh.pp=1", "mesh.tp=1", "pipeline.microbatches=1"])  # decoding, not the layout, is tested
     run_dir = tmp_path / "run"
     run_dir.mkdir()

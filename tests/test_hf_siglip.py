@@ -159,8 +159,8 @@ def test_vla_export_writes_a_llama_and_a_siglip_that_transformers_loads(tmp_path
     make_siglip(tmp_path / "siglip")
     config = load_config("vla_tiny", [f"init.vision_from_hf={tmp_path / 'siglip'}", "vision.film=false",
                                       "data.train=", "data.eval=", "data.generate=false", "train.steps=1",
-                                      "train.global_batch_size=8", "train.lr=0.01", "mesh.dp=2", "mesh.pp=1",
-                                      "mesh.tp=2", "pipeline.microbatches=1"])  # export gathers any layout
+                                      "eval.rollouts=0", "train.global_batch_size=8", "train.lr=0.01", "mesh.dp=2",
+                                      "mesh.pp=1", "mesh.tp=2", "pipeline.microbatches=1"])  # export gathers any layout
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config)))

@@ -32,7 +32,10 @@ def no_remat():
     return run(pipelined("none"))
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
+# selective and full are `slow` here: `make test` checks both on pipelines against one device
+# (tests/test_pipeline.py's FAST cases and stage recompute)
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=[pytest.mark.slow] if p in ("selective", "full") else [])
+                                    for p in POLICIES if p != "none"])
 def test_policy_changes_nothing_but_memory(policy, no_remat):
     """(2,2,2) with 1F1B: every policy gives the losses and gradients of `none` (recompute is exact math)."""
     ref_grads, ref_losses, _ = no_remat

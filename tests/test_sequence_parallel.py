@@ -31,7 +31,7 @@ def test_sequence_parallel_matches_single_device(dp, tp, stage):
     assert_grads_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("1f1b", 2)])
+@pytest.mark.parametrize("schedule,virtual", [pytest.param("1f1b", 1, marks=pytest.mark.slow), ("1f1b", 2)])
 def test_sequence_parallel_pipeline_matches_single_device(schedule, virtual):
     assert_matches_single_device(with_sp(pipeline_config((1, 2, 2), schedule, 4, virtual=virtual)))
 

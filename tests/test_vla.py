@@ -167,8 +167,12 @@ def reference():
     return run(SINGLE)
 
 
+# (2,2,2) 1F1B with vision tp 1 and 2 are `slow`: `make test` trains that layout in
+# tests/test_sequence_parallel.py (vision tp 2, + SP) and tests/test_hf_siglip.py (vision tp 2, SigLIP),
+# and vision tp 1 under LLM tp below (ZeRO-3).
 @pytest.mark.parametrize("mesh,schedule,vision_tp", [
-    ((2, 2, 2), "1f1b", 1), ((2, 2, 2), "1f1b", 2), ((2, 2, 2), "gpipe", 2),
+    pytest.param((2, 2, 2), "1f1b", 1, marks=pytest.mark.slow),
+    pytest.param((2, 2, 2), "1f1b", 2, marks=pytest.mark.slow), ((2, 2, 2), "gpipe", 2),
     ((1, 2, 4), "1f1b", 2),  # vision tp 2 inside tp 4: the tp axis is split into ("tp", "tpv")
     ((2, 1, 4), "zero2", 2),  # no pipeline: the LLM's ZeRO-2 grad taps with image tokens
     ((4, 1, 2), "zero3", 1),  # no pipeline: the LLM's ZeRO-3 gathers with image tokens
