@@ -85,6 +85,7 @@ def test_bf16_pipeline_is_close_to_single_device():
     assert_matches_single_device(pipeline_config((2, 2, 2), "1f1b", 4, "none", virtual=2, precision="bf16"))
 
 
+@pytest.mark.slow  # `make test` runs (2,2,2) ZeRO-2 with 1F1B (v = 2): test_early_dp_reductions_match_single_device
 def test_pipeline_with_zero2_matches_single_device():
     ref_grads, ref_losses, _ = reference(model=FOUR_LAYERS, global_batch_size=BATCH)
     config = make_config(dp=2, pp=2, tp=2, stage=2, model=FOUR_LAYERS, global_batch_size=BATCH)
