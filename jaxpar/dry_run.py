@@ -181,7 +181,7 @@ def schedule_fields(config: Config, mesh, gpu: GpuTarget, text: str, model_flops
     read = read_schedule(text, mesh, hw, model_flops_per_device)
     nodes = len({getattr(d, "process_index", 0) for d in mesh.devices.flat})
     planned = cost.step_time(config, hw, mesh.size // nodes)
-    peak = memory.estimate(config, "gpu")["per_device_bytes"]["peak"]
+    peak = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]["peak"]
     return {**read, "planner": {"step_s": planned["step_s"], "mfu": planned["mfu"], "peak_bytes": peak,
                                 "matmul_efficiency": hw.matmul_efficiency}}
 

@@ -39,12 +39,13 @@ import re
 import numpy as np
 
 from jaxpar import hlo
+from jaxpar.planner import hardware
 from jaxpar.planner.hardware import GB, Hardware
 
 # Fitted to the H200 rows in BENCHMARKS.md (the 1B Llama, XLA attention, remat none / selective / full:
 # 0.324 / 0.251 / 0.285 s measured; this value gives 0.339 / 0.243 / 0.278 s, errors +5 / -3 / -3%); the
-# planner's profiles keep their own assumption (0.7) until the planner is fitted to this estimate.
-MATMUL_EFFICIENCY = 0.55
+# planner's profiles use the same value (jaxpar.planner.hardware).
+MATMUL_EFFICIENCY = hardware.MATMUL_EFFICIENCY
 KERNEL_LAUNCH_S = 3e-6  # per kernel: launch and tail of a small grid (assumption, see the docstring)
 COLLECTIVE_LATENCY_S = 10e-6  # per collective: NCCL's small-message latency on NVLink (assumption)
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
@@ -72,13 +73,16 @@ class _State:
     exposed_s: float = 0.0  # compute stream waiting on transfers (synchronous ones included)
     comm_s: float = 0.0  # transfer seconds on the streams
     flops: float = 0.0
+    matmul_s: float = 0.0  # kernels priced by their FLOPs (launches excluded)
+    memory_s: float = 0.0  # kernels priced by their HBM bytes (launches excluded)
+    kernels: float = 0.0  # kernel launches
     free: dict = dataclasses.field(default_factory=dict)  # stream -> when it is free
     pending: dict = dataclasses.field(default_factory=dict)  # start instruction name -> _Flight
     carried: list = dataclasses.field(default_factory=list)  # started, to be done in a later computation
     rows: dict = dataclasses.field(default_factory=dict)  # (op, axis) -> [bytes, overlapped, seconds waited]
 
 
-_TOTALS = ("now", "compute_s", "exposed_s", "comm_s", "flops")
+_TOTALS = ("now", "compute_s", "exposed_s", "comm_s", "flops", "matmul_s", "memory_s", "kernels")
 
 
 class _Walker:
@@ -158,8 +162,13 @@ class _Walker:
     # ------------------------------------------------------------------ kernels
     def _kernel(self, ins: dict, instrs: dict, st: _State) -> None:
         flops, nbytes = self.kernel_cost(ins, instrs)
-        seconds = max(flops / self.matmul_rate,
-                      nbytes / (self.hw.hbm_tbps * 1e12)) + KERNEL_LAUNCH_S
+        matmul_s, memory_s = flops / self.matmul_rate, nbytes / (self.hw.hbm_tbps * 1e12)
+        if matmul_s >= memory_s:
+            st.matmul_s += matmul_s
+        else:
+            st.memory_s += memory_s
+        st.kernels += 1
+        seconds = max(matmul_s, memory_s) + KERNEL_LAUNCH_S
         st.now += seconds
         st.compute_s += seconds
         st.flops += flops
@@ -342,7 +351,8 @@ def read_schedule(text: str, mesh, hw: Hardware, model_flops_per_device: float,
     overlap: per (op, axis), `bytes` executed per step (loops x trip count), `bytes_overlapped` (those of
     async collectives whose start..done window holds compute) and `exposed_s` (seconds the compute
     stream waits on them). estimate: `step_s`, `mfu` (model FLOPs per device / (step_s x peak)),
-    `compute_s` (kernel seconds), `exposed_comm_s` (the rest), `comm_s` (transfer seconds, hidden or
+    `compute_s` (kernel seconds; `compute_parts`: the matmul-bound kernels', the memory-bound ones', the
+    launches' and the kernel count), `exposed_comm_s` (the rest), `comm_s` (transfer seconds, hidden or
     not), `executed_flops` (matmul and attention FLOPs priced)."""
     walker = _Walker(text, mesh, hw, matmul_efficiency)
     st = _State()
@@ -356,6 +366,9 @@ def read_schedule(text: str, mesh, hw: Hardware, model_flops_per_device: float,
     step_s = st.now
     estimate = {"step_s": step_s, "mfu": model_flops_per_device / (step_s * hw.peak_flops) if step_s else 0.0,
                 "compute_s": st.compute_s, "exposed_comm_s": step_s - st.compute_s, "comm_s": st.comm_s,
-                "executed_flops": st.flops, "hardware": hw.name, "matmul_efficiency": matmul_efficiency,
+                "executed_flops": st.flops,
+                "compute_parts": {"matmul_s": st.matmul_s, "memory_s": st.memory_s,
+                                  "launch_s": st.kernels * KERNEL_LAUNCH_S, "kernels": int(round(st.kernels))},
+                "hardware": hw.name, "matmul_efficiency": matmul_efficiency,
                 "trip_count_unknown": walker.unknown_trips}
     return {"overlap": overlap, "estimate": estimate}

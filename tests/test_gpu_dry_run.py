@@ -55,6 +55,9 @@ def test_cudnn_attention_under_auto_none_with_xla_and_every_bundle_flag_accepted
     assert all(0 <= r["bytes_overlapped"] <= r["bytes"] for r in report["overlap"])
     est = report["estimate"]
     assert 0 < est["compute_s"] <= est["step_s"] and est["exposed_comm_s"] == est["step_s"] - est["compute_s"]
+    parts = est["compute_parts"]  # every kernel is matmul-bound or memory-bound, plus its launch
+    assert parts["memory_s"] > 0 and parts["kernels"] > 0  # (llama_tiny's GEMMs are memory-bound too)
+    assert parts["matmul_s"] + parts["memory_s"] + parts["launch_s"] == pytest.approx(est["compute_s"], rel=1e-9)
     assert est["mfu"] == report["model_flops_per_device"] / (est["step_s"] * 989e12)
     assert set(report["planner"]) >= {"step_s", "mfu", "peak_bytes"} and "estimated step" in done.stdout
 
@@ -163,3 +166,45 @@ def test_vla70b_on_64_a100s_compiles_in_under_3_minutes(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert report["devices"] == 64 and report["target"] == "a100-80gb" and report["kernels"]["attention"] == "cudnn"
     assert seconds < 180, seconds
+
+
+# The planner against the GPU compiler (issue 27 item 7). Its GPU terms were found and fitted on the GPU programs
+# of a 3B-shaped Llama (8 layers, d_model 3072, 4096 tokens) on 8 H100s in seven layouts (docs/planner.md, "Fit to
+# the GPU compiler"), none of these. memory_ok / time_ok: whether the planner's peak is within 10% of the
+# GPU-compiled peak and its step time within 20% of the schedule estimate; the known misses are asserted as misses,
+# so a change that fixes (or breaks) one must update docs/planner.md's table with it.
+def planner_case(config, gpu, overrides, memory_ok=True, time_ok=True, slow=True):
+    marks = [pytest.mark.slow] if slow else []
+    name = "-".join([config, *[o.split("=")[-1] if "." in o else o for o in overrides]])
+    return pytest.param(config, gpu, overrides, memory_ok, time_ok, marks=marks, id=name)
+
+
+PLANNER_CASES = [
+    planner_case("llama7b", "h100", [], slow=False),
+    planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=selective"], slow=False),
+    planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=none"]),
+    planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=full"]),
+    planner_case("llama1b", "h200", []),
+    planner_case("llama7b", "h100", ["mesh.dp=8", "mesh.tp=1", "zero.stage=3"]),
+    planner_case("llama7b", "h100", ["mesh.dp=2", "mesh.tp=4", "zero.stage=2", "remat.policy=selective",
+                                     "train.global_batch_size=4"]),
+    planner_case("llama7b", "h100", ["mesh.pp=2", "mesh.tp=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]),
+    planner_case("vla_openvla", "h100", [], memory_ok=False),  # +16%: the update phase, not broken down
+    planner_case("vla_openvla", "h100", ["mesh.dp=1", "mesh.tp=8", "remat.policy=full"]),
+    # v = 10: the GPU program holds ~3 more fp32 copies of the stage's gradient accumulators than v = 1
+    planner_case("vla70b", "a100", [], memory_ok=False),
+    # the seeds' plans (v = 1, full remat, m = 16): the estimate finds more memory-bound pipeline work and
+    # exposed dp traffic than the planner models (-27% to -35%)
+    planner_case("vla70b", "a100", VLA70B_SEED_LAYOUT, time_ok=False),
+]
+
+
+@pytest.mark.parametrize("config, gpu, overrides, memory_ok, time_ok", PLANNER_CASES)
+def test_the_planner_agrees_with_the_gpu_compiler(tmp_path, config, gpu, overrides, memory_ok, time_ok):
+    done, report = dry_run(tmp_path, "--config", config, "--gpu", gpu, *[f"--config.{o}" for o in overrides])
+    assert done.returncode == 0, done.stderr[-2000:]
+    planner, compiled = report["planner"], report["per_device_bytes"]["peak"]
+    memory_error = planner["peak_bytes"] / compiled - 1
+    time_error = planner["step_s"] / report["estimate"]["step_s"] - 1
+    assert (abs(memory_error) <= 0.10) == memory_ok, f"planner peak {memory_error:+.1%} off the GPU-compiled one"
+    assert (abs(time_error) <= 0.20) == time_ok, f"planner step {time_error:+.1%} off the schedule estimate"

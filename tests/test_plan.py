@@ -138,24 +138,27 @@ def hand_full_remat_flops(model: ModelConfig, batch: int, seq: int) -> float:
 
 
 def test_one_device_step_is_the_hand_counted_flops_at_the_matmul_rate():
-    """No communication and no bubble on one device: the step is the model's matmuls (counted by hand in
-    test_dry_run) at matmul_efficiency x peak, so MFU is exactly the efficiency without remat and
-    efficiency x model / executed with full remat (executed counted by hand too)."""
+    """No communication and no bubble on one device: the step's matmul time is the model's matmuls
+    (counted by hand in test_dry_run) at matmul_efficiency x peak, and the step is that plus the
+    memory-bound kernels and launches (planner/traffic.py); executed FLOPs with full remat are counted
+    by hand too."""
     hw = hardware.get("a100-80gb")
     config = make_config(model=MODEL, seq_len=32)
     t = cost.step_time(config, hw, 8)
     flops = hand_train_flops(MODEL, 16, 32)
-    assert t["step_s"] == pytest.approx(flops / (hw.peak_flops * hw.matmul_efficiency), rel=1e-12)
+    assert t["matmul_s"] == pytest.approx(flops / (hw.peak_flops * hw.matmul_efficiency), rel=1e-12)
+    assert t["memory_s"] > 0 and t["launch_s"] > 0
+    assert t["step_s"] == pytest.approx(t["matmul_s"] + t["memory_s"] + t["launch_s"], rel=1e-12)
     assert (t["tp_comm_s"], t["dp_comm_s"], t["pp_comm_s"], t["bubble_s"]) == (0, 0, 0, 0)
-    assert t["mfu"] == pytest.approx(hw.matmul_efficiency, rel=1e-12)
+    assert t["mfu"] == pytest.approx(flops / (t["step_s"] * hw.peak_flops), rel=1e-12)
     full = cost.step_time(dataclasses.replace(config, remat=RematConfig("full")), hw, 8)
     executed = hand_full_remat_flops(MODEL, 16, 32)
     # in units of 2 t d^2 (d_ff = 4 d, t = 16 x 32): a layer's forward is qkv 3 + scores and values 1 + out 1
     # + gate and up 8 + down 4 = 17, the head 4; the step 3 x (4 x 17 + 4) = 216, full remat + 4 x 13 = 52
     assert executed == pytest.approx(flops * 268 / 216, rel=1e-12)
     assert full["executed_flops_per_device"] == pytest.approx(executed, rel=1e-12)
-    assert full["step_s"] == pytest.approx(executed / (hw.peak_flops * hw.matmul_efficiency), rel=1e-12)
-    assert full["mfu"] == pytest.approx(hw.matmul_efficiency * flops / executed, rel=1e-12)
+    assert full["matmul_s"] == pytest.approx(executed / (hw.peak_flops * hw.matmul_efficiency), rel=1e-12)
+    assert full["mfu"] == pytest.approx(flops / (full["step_s"] * hw.peak_flops), rel=1e-12)
 
 
 def test_tp_comm_is_megatrons_four_all_reduces_per_layer():
@@ -282,7 +285,8 @@ def test_cli_json_has_peak_and_hardware_override():
     report = json.loads(out.stdout)
     assert report["per_device_bytes"]["peak"] > 0
     slow = plan_cli("--config", "llama_tiny.py", "--json", "--hardware_json", '{"a100-80gb": {"peak_tflops": 31.2}}')
-    assert json.loads(slow.stdout)["step_time"]["compute_s"] == pytest.approx(10 * report["step_time"]["compute_s"])
+    assert json.loads(slow.stdout)["step_time"]["matmul_s"] == pytest.approx(10 * report["step_time"]["matmul_s"])
+    assert json.loads(slow.stdout)["step_time"]["memory_s"] == pytest.approx(report["step_time"]["memory_s"])
 
 
 @pytest.mark.parametrize("args, expect", [
@@ -321,9 +325,10 @@ def test_dp_traffic_by_stage_and_grad_reduce_dtype_and_what_overlaps():
     assert z3["dp_comm_s"] == pytest.approx((4 + 2 + 2) * ring, rel=1e-12)
     compute_s = hand_full_remat_flops(load_config("llama7b.py").model, 1, 4096) / (hw.peak_flops * hw.matmul_efficiency)
     assert z3["dp_comm_s"] * 31 / 32 < compute_s  # so 31 of the 32 layers' shares hide
-    assert z1["step_s"] == pytest.approx(compute_s + (4 + 2) * ring, rel=1e-12)
+    assert z1["matmul_s"] == pytest.approx(compute_s, rel=1e-12) == z3["matmul_s"]
+    assert z1["step_s"] == pytest.approx(z1["compute_s"] + (4 + 2) * ring, rel=1e-12)
     assert z3["dp_exposed_s"] == pytest.approx((4 + 2 + 2) * ring / 32, rel=1e-12)
-    assert z3["step_s"] == pytest.approx(compute_s + (4 + 2 + 2) * ring / 32, rel=1e-12)
+    assert z3["step_s"] == pytest.approx(z3["compute_s"] + (4 + 2 + 2) * ring / 32, rel=1e-12)
 
 
 def test_pipelined_dp_reduction_hides_the_head_and_interleaved_chunks():

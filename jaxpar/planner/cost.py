@@ -30,6 +30,7 @@ from __future__ import annotations
 from jaxpar.config import Config
 from jaxpar.metrics import model_flops_per_step
 from jaxpar.models import vit
+from jaxpar.planner import traffic
 from jaxpar.planner.hardware import GB, Hardware
 from jaxpar.planner.memory import (Block, llm_block, local_params, microbatch, pipeline_table,
                                   seq_len, vision_data_ways, vit_block)
@@ -170,9 +171,13 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     # microbatch 4 all-reduces over pp (embedding output and last hidden state, forward and backward)
     pp_bw, pp_link = link_bandwidth(mesh.tp, p, gpus_per_node, hw)
     slots = slot_counts(config)
-    pp_s = 0.0 if p == 1 else ((slots["F"] + slots["B"]) * activation / pp_bw
-                               + 4 * passes * ring_allreduce_s(activation, p, pp_bw))
-    return {"tp_comm_s": tp_s, "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"],
+    sends_s = 0.0 if p == 1 else (slots["F"] + slots["B"]) * activation / pp_bw
+    pp_s = sends_s + (0.0 if p == 1 else 4 * passes * ring_allreduce_s(activation, p, pp_bw))
+    # what a GPU's schedule hides (XLA's latency-hiding scheduler, jaxpar.gpu_program): the backward's
+    # tp all-reduces run beside its weight-gradient matmuls; the pipeline's sends beside the ticks' compute
+    tp_exposed = tp_s * 2 * forwards / (2 * forwards + 2)
+    return {"tp_comm_s": tp_s, "tp_exposed_s": tp_exposed, "pp_sends_s": sends_s,
+            "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"],
             "dp_grad_reduce_s": dp["grad_reduce"], "pp_comm_s": pp_s,
             "links": {"tp": tp_link, "dp": dp["link"], "pp": pp_link}}
 
@@ -246,10 +251,16 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     layers = config.model.n_layers // config.mesh.pp
     comm["dp_exposed_s"] = (exposed_dp_s(comm["dp_comm_s"], comm["dp_in_scan_s"], layers, busy_layers_s)
                             - pipelined_dp_hidden_s(config, comm["dp_grad_reduce_s"], busy_layers_s + bubble_s))
+    hbm = traffic.memory_bound_s(config, hw)
+    compute_s += hbm["memory_s"] + hbm["launch_s"]  # every executed slot's kernels: not scaled by the bubble
     without_overlap = compute_s + bubble_s + comm["tp_comm_s"] + comm["dp_comm_s"] + comm["pp_comm_s"]
-    total = without_overlap - comm["dp_comm_s"] + comm["dp_exposed_s"]
+    comm["pp_exposed_s"] = comm["pp_comm_s"] - min(comm["pp_sends_s"], busy_layers_s + bubble_s)
+    total = (without_overlap - comm["dp_comm_s"] + comm["dp_exposed_s"] - comm["tp_comm_s"] + comm["tp_exposed_s"]
+             - comm["pp_comm_s"] + comm["pp_exposed_s"])
     tokens = config.train.global_batch_size * seq_len(config)
-    return {"compute_s": compute_s, "bubble_s": bubble_s, "step_s": total, "step_s_no_overlap": without_overlap,
+    return {"compute_s": compute_s, "matmul_s": compute_s - hbm["memory_s"] - hbm["launch_s"],
+            "memory_s": hbm["memory_s"], "memory_parts": hbm["memory_parts"], "launch_s": hbm["launch_s"],
+            "bubble_s": bubble_s, "step_s": total, "step_s_no_overlap": without_overlap,
             **comm,
             "mfu": flops["model_flops"] / (total * config.mesh.size * hw.peak_flops),
             "tokens_per_s": tokens / total, **flops}

@@ -10,9 +10,10 @@ inter-node figures are the seed's (table 6.3 and section 8.1): InfiniBand 200 Gb
 NIC, 4 NICs per node ("4 x IB 200Gbps, recommended"); RoCE v2 100 Gbps = 12.5 GB/s per NIC, 8 NICs
 per node ("8 x RoCE 100Gbps, acceptable"); PCIe Gen5 64 GB/s for host offload.
 
-`matmul_efficiency` is an assumption, not a measurement: the fraction of peak that the dense
-matmuls of a large transformer layer reach (Megatron-LM reports 47-57% MFU end to end at scale;
-0.7 of peak for the matmuls alone is typical). No GPU was available to calibrate it.
+`matmul_efficiency` is the fraction of peak the matmuls reach, fitted to the one GPU measurement
+(the 1B Llama on an H200, BENCHMARKS.md): 0.55 puts the GPU dry run's estimate (jaxpar.gpu_program)
+within 5% of the three measured step times. The planner and that estimate share it; recalibrate
+whenever a GPU measurement lands. Large models' GEMMs likely run faster than the 1B model's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pathlib
 from jaxpar.errors import ConfigError
 
 GB = 1e9
+MATMUL_EFFICIENCY = 0.55  # the H200 calibration (module docstring); Hardware's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +37,9 @@ class Hardware:
     nvlink_gbps: float  # per GPU, bidirectional (GB/s); a ring all-reduce moves half of it each way
     ib_gbps_per_node: float  # inter-node bandwidth of one node, all NICs together (GB/s, one direction)
     pcie_gbps: float = 64.0
-    matmul_efficiency: float = 0.7  # assumption (see module docstring)
+    matmul_efficiency: float = 0.55  # fitted (see module docstring): MATMUL_EFFICIENCY
     usable_hbm_fraction: float = 0.95  # CUDA context, allocator fragmentation, NCCL buffers
+    compute_capability: float = 9.0  # 8.0 Ampere, 9.0 Hopper: what cuDNN attention may run (planner/kernels.py)
 
     @property
     def peak_flops(self) -> float:
@@ -52,7 +55,7 @@ IB_4X200 = 4 * 25.0
 ROCE_8X100 = 8 * 12.5
 
 PROFILES: dict[str, Hardware] = {
-    "a100-80gb": Hardware("a100-80gb", 312.0, 80.0, 2.0, 600.0, IB_4X200),
+    "a100-80gb": Hardware("a100-80gb", 312.0, 80.0, 2.0, 600.0, IB_4X200, compute_capability=8.0),
     "h100-80gb": Hardware("h100-80gb", 989.0, 80.0, 3.35, 900.0, IB_4X200),
     "h200": Hardware("h200", 989.0, 141.0, 4.8, 900.0, IB_4X200),
 }
@@ -77,7 +80,8 @@ def load_overrides(text: str | None) -> dict[str, Hardware]:
                               f"fields are {', '.join(sorted(fields))}")
         base = profiles.get(name.lower())
         if base is None:
-            missing = fields - set(values) - {"pcie_gbps", "matmul_efficiency", "usable_hbm_fraction"}
+            missing = fields - set(values) - {"pcie_gbps", "matmul_efficiency", "usable_hbm_fraction",
+                                              "compute_capability"}
             if missing:
                 raise ConfigError(f"--hardware_json: new GPU '{name}' needs {', '.join(sorted(missing))}")
             profiles[name.lower()] = Hardware(name.lower(), **{k: float(v) for k, v in values.items()})

@@ -24,6 +24,7 @@ from jaxpar.config import Config
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel import schedule as schedules
 from jaxpar.parallel.zero import ZeroPlan
+from jaxpar.planner import kernels
 from jaxpar.sharding import RULES, kv_heads_replicated
 
 SAVE_LINEAR = ("selective", "offload", "dots", "none")  # policies that keep the linear-layer outputs
@@ -95,17 +96,21 @@ class Block:
     heads: int  # local query heads
     gated: bool  # SwiGLU (two up projections) or GELU (one)
     seq_split: int = 1  # sequence parallelism: the residual stream is split over tp along S
+    cudnn: bool = False  # cuDNN flash attention: no [b, h, s, s] tensor in memory (planner/kernels.py)
+    gpu: bool = False  # XLA's GPU compiler (fuses the softmax: fewer [b, h, s, s] buffers than XLA:CPU)
 
 
-def llm_block(config: Config) -> Block:
+def llm_block(config: Config, target: str = "cpu") -> Block:
     m, tp = config.model, config.mesh.tp
     return Block(m.d_model, m.n_heads // tp * m.head_dim, max(m.n_kv_heads // tp, 1) * m.head_dim, m.d_ff // tp,
-                 m.n_heads // tp, True, tp if config.mesh.sequence_parallel else 1)
+                 m.n_heads // tp, True, tp if config.mesh.sequence_parallel else 1, m.attention == "cudnn",
+                 target == "gpu")
 
 
-def vit_block(config: Config) -> Block:
+def vit_block(config: Config, target: str = "cpu") -> Block:
     v, tp = config.vision, config.vision.tp
-    return Block(v.width, v.width // tp, v.width // tp, v.mlp_dim // tp, v.n_heads // tp, False)
+    return Block(v.width, v.width // tp, v.width // tp, v.mlp_dim // tp, v.n_heads // tp, False,
+                 cudnn=(v.attention or config.model.attention) == "cudnn", gpu=target == "gpu")
 
 
 def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[float, float]:
@@ -115,7 +120,7 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
     ups = 2 if blk.gated else 1
     layer_input = c * t * blk.d / blk.seq_split  # sequence parallel: residual-stream tensors are S / tp long
     linear = c * t * (2 * blk.q + 2 * blk.kv + 2 * blk.d / blk.seq_split + ups * blk.f)  # q k v attn_out, attn_proj mlp_out, up(s)
-    scores = b * blk.heads * s * s
+    scores = 0 if blk.cudnn else b * blk.heads * s * s  # cuDNN keeps only fp32 [b, h, s] softmax statistics
     if policy == "full":
         return layer_input, 0.0
     if policy == "offload":
@@ -125,18 +130,23 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
     if policy == "dots":  # + the fp32 attention scores matmul output and the MLP hidden
         return layer_input + linear + 4 * scores + c * t * blk.f, 0.0
     # none: + norm outputs (sequence parallel: the all-gathered ones the projections keep, full length), fp32 RoPE'd q / k, SwiGLU hidden, and per score element 14 bytes: what the
-    # compiled program keeps of XLA attention (three fp32 [b, h, s, s] buffers and a 2-byte remainder,
-    # measured in fp32 and bf16 alike; JAX's own residuals are the fp32 and compute-dtype probabilities)
-    extra = c * t * (2 * blk.d + 2 * blk.f) + 4 * t * (blk.q + blk.kv) + 14 * scores
+    # XLA:CPU program keeps of XLA attention (three fp32 [b, h, s, s] buffers and a 2-byte remainder,
+    # measured in fp32 and bf16 alike; JAX's own residuals are the fp32 and compute-dtype probabilities);
+    # the GPU compiler keeps 10 (fitted on its programs: docs/planner.md)
+    extra = c * t * (2 * blk.d + 2 * blk.f) + 4 * t * (blk.q + blk.kv) + (10 if blk.gpu else 14) * scores
     return layer_input + linear + extra, 0.0
 
 
 def layer_working_set(policy: str, blk: Block, b: int, s: int, c: int) -> float:
     """Bytes live while one layer runs its backward: recomputed fp32 scores / probabilities (unless
-    kept), their fp32 cotangents, and fp32 cotangents of the layer's activations."""
-    t, scores = b * s, b * blk.heads * s * s
+    kept), their fp32 cotangents, and fp32 cotangents of the layer's activations. cuDNN attention
+    recomputes its scores block by block inside the kernel: none of them is in memory."""
+    t, scores = b * s, 0 if blk.cudnn else b * blk.heads * s * s
     recompute = 0 if policy == "none" else (4 + 4 + c) * scores  # scores, probs fp32, probs compute dtype
-    return recompute + 8 * scores + 4 * t * (2 * blk.d + 2 * blk.f)
+    cotangents = 8 * scores
+    if blk.gpu:  # the GPU compiler fuses the softmax: fp32 scores and compute-dtype probabilities, one fp32 cotangent
+        recompute, cotangents = (0 if policy == "none" else (4 + c) * scores), 4 * scores
+    return recompute + cotangents + 4 * t * (2 * blk.d + 2 * blk.f)
 
 
 def head_working_set(config: Config, t: int, c: int) -> float:
@@ -175,9 +185,9 @@ def _activations(config: Config, c: int, target: str) -> dict:
     """Saved activations (all layers / in-flight microbatches) and the largest working set."""
     m, pp, policy = config.model, config.mesh.pp, config.remat.policy
     b, s = microbatch(config), seq_len(config)
-    blk, layers = llm_block(config), m.n_layers // pp
+    blk, layers = llm_block(config, target), m.n_layers // pp
     dev, host = saved_per_layer(policy, blk, b, s, c)
-    live_mb, ring = _pipeline_live(config, c * b * s * m.d_model / blk.seq_split)
+    live_mb, ring = _pipeline_live(config, c * b * s * m.d_model / blk.seq_split, target)
     saved = live_mb * layers * dev
     host_saved = live_mb * layers * host
     work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, b * s, c))
@@ -192,18 +202,24 @@ def _activations(config: Config, c: int, target: str) -> dict:
     return out
 
 
-def _pipeline_live(config: Config, activation: float) -> tuple[float, float]:
+def _pipeline_live(config: Config, activation: float, target: str = "cpu") -> tuple[float, float]:
     """(stages' worth of layer residuals alive at the backward's peak, bytes of stage inputs and receive
     buffers). GPipe keeps every tick's residuals (masked ones too); the 1F1B / zb runtime keeps each
     in-flight chunk's vjp residuals (the schedule table's in_flight(): up to 2p-1 microbatches on stage
     0, each 1/v of the stage); with pipeline.stage_recompute only stage inputs wait, and one stage's
-    residuals exist at a time. Without pp: the one pass."""
+    residuals exist at a time. Without pp: the one pass.
+
+    On a GPU the stash is one buffer of stash_slots + 1 entries (the spare that idle slots write), all
+    of it live through the tick loop (XLA:CPU's buffer assignment reuses the dead entries' bytes)."""
     pp, m, kind = config.mesh.pp, config.pipeline.microbatches, config.pipeline.schedule
     if pp == 1:
         return 1.0, 0.0
     if kind == "gpipe":
         return float(m + pp - 1), 0.0
-    in_flight = int(max(pipeline_table(config).in_flight()))
+    table = pipeline_table(config)
+    in_flight = int(max(table.in_flight()))
+    if target == "gpu":
+        in_flight = table.stash_slots + 1
     if config.pipeline.stage_recompute:
         return 1.0, (in_flight + 2) * activation
     return in_flight / config.pipeline.virtual_stages, 2 * activation
@@ -214,7 +230,7 @@ def _vision_activations(config: Config, c: int, target: str) -> dict:
     v = config.vision
     images = config.train.global_batch_size // vision_data_ways(config) * v.cameras
     n = vit.patches_per_image(v)
-    blk = vit_block(config)
+    blk = vit_block(config, target)
     dev, host = saved_per_layer(v.remat.policy, blk, images, n, c)
     if target == "cpu":
         dev += host
@@ -223,7 +239,7 @@ def _vision_activations(config: Config, c: int, target: str) -> dict:
             "image_tokens": (c + 4) * tokens}  # the assembled tokens and their fp32 cotangent accumulator
 
 
-def _gradients(config: Config, counts: dict, c: int) -> dict:
+def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dict:
     """Gradient bytes while the backward runs, and during the optimizer update."""
     mesh, z = config.mesh, config.zero.stage
     dp, pp = mesh.dp, mesh.pp
@@ -231,6 +247,8 @@ def _gradients(config: Config, counts: dict, c: int) -> dict:
     scatter = dp if z >= 2 and dp > 1 and pp == 1 else 1  # reduce-scattered layer by layer in the backward
     if pp > 1:  # fp32 accumulators over microbatches + one microbatch's stage gradients
         backward = 4 * llm + c * counts["llm_layers"]
+        if target == "gpu":  # the GPU program holds the layers' accumulators twice at the backward's peak
+            backward += 4 * counts["llm_layers"]  # (the tick loop's carry and its copy; docs/planner.md)
     elif config.train.grad_accum > 1:
         backward = (4 + c) * llm / scatter
     else:
@@ -261,14 +279,16 @@ def _largest_leaf(config: Config) -> float:
     return leaf / (mesh.dp if config.zero.stage >= 1 else 1)
 
 
-def estimate(config: Config, target: str = "gpu") -> dict:
-    """Per-device bytes of one train step of `config`: every term, the two phases and the peak."""
+def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.0) -> dict:
+    """Per-device bytes of one train step of `config`: every term, the two phases and the peak.
+    Attention is priced as the kernel a run on the target would use (planner/kernels.py)."""
+    config = kernels.resolve(config, target, compute_capability)
     c = 2 if config.precision == "bf16" else 4
     bf16 = config.precision == "bf16"
     counts = local_params(config)
     st = _states(config, counts, c, target)
     act = _activations(config, c, target)
-    gr = _gradients(config, counts, c)
+    gr = _gradients(config, counts, c, target)
     dp, z = config.mesh.dp, config.zero.stage
     llm = counts["llm_layers"] + counts["llm_rest"]
     # XLA:CPU widens the bf16 weights to an f32 copy (4 bytes per parameter held) hoisted out of the
@@ -293,6 +313,11 @@ def estimate(config: Config, target: str = "gpu") -> dict:
         update += 4 * llm  # the fp32 accumulators are still live when the reduction starts
     freed = st["params"] if bf16 else 0.0
     update = max(update - freed, 0.0)
+    if target == "gpu":  # XLA's GPU conditional writes the whole new optimizer state (master, m, v) to
+        # fresh buffers, copied into the donated ones after it: one more device copy of it (the live
+        # ranges at the GPU compiler's update peak hold nothing else), beside the reduced gradients
+        update = max(update, st["device_state"] - st["params"] + gr["reduced"] * (config.zero.stage < 2)
+                     + 8 * _largest_leaf(config))  # and the last leaf's Adam temporaries
     temp = max(backward, update)
     per_device = {"params": st["params"], "master": st["master"], "optimizer": st["optimizer"],
                   "optimizer_on_host": st["opt_on_host"], "gradients": gr["backward"],

@@ -78,7 +78,7 @@ def candidates(config: Config, gpus: int) -> Iterator[Config]:
 
 
 def evaluate(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
-    mem = memory.estimate(config, "gpu")["per_device_bytes"]
+    mem = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]
     time = cost.step_time(config, hw, gpus_per_node)
     return {"config": config, "peak": mem["peak"], "fits": mem["peak"] <= hw.usable_bytes, **time}
 

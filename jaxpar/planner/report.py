@@ -23,7 +23,7 @@ MEMORY_ROWS = [
 
 
 def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") -> dict:
-    mem = memory.estimate(config, target)
+    mem = memory.estimate(config, target, hw.compute_capability)
     time = cost.step_time(config, hw, gpus_per_node)
     return {"layout": describe(config), "devices": config.mesh.size, "hardware": hw.name, "target": target,
             "per_device_bytes": mem["per_device_bytes"], "fits": mem["per_device_bytes"]["peak"] <= hw.usable_bytes,
@@ -32,8 +32,10 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
             "flops_per_step": time["model_flops"], "model_flops_per_device": time["model_flops_per_device"],
             "executed_flops_per_device": time["executed_flops_per_device"],
             "executed_flops_parts": time["executed_parts"],
-            "step_time": {k: time[k] for k in ("compute_s", "bubble_s", "tp_comm_s", "dp_comm_s", "dp_exposed_s",
-                                               "pp_comm_s", "step_s", "step_s_no_overlap")},
+            "step_time": {k: time[k] for k in ("compute_s", "matmul_s", "memory_s", "launch_s", "bubble_s",
+                                               "tp_comm_s", "tp_exposed_s", "dp_comm_s", "dp_exposed_s",
+                                               "pp_comm_s", "pp_exposed_s", "step_s", "step_s_no_overlap")},
+            "memory_bound_s": time["memory_parts"],
             "links": time["links"], "bubble_fraction": time["bubble_fraction"], "mfu": time["mfu"],
             "tokens_per_s": time["tokens_per_s"], "config": to_dict(config)}
 
@@ -49,11 +51,15 @@ def format_plan(report: dict) -> str:
     lines.append(f"  -> {fits} in {report['usable_bytes'] / GB:.1f} GB usable; peak in the {report['peak_phase']} phase")
     lines.append(flops_line(report))
     lines.append("step time (s):")
-    for key, label in (("compute_s", "compute"), ("bubble_s", f"pipeline bubble ({report['bubble_fraction']:.0%})"),
+    for key, label in (("compute_s", "compute"), ("matmul_s", "  matmuls"),
+                       ("memory_s", "  memory-bound kernels"), ("launch_s", "  kernel launches"),
+                       ("bubble_s", f"pipeline bubble ({report['bubble_fraction']:.0%})"),
                        ("tp_comm_s", f"tp all-reduces ({report['links']['tp']})"),
+                       ("tp_exposed_s", "  of which not overlapped"),
                        ("dp_comm_s", f"dp gradient sync ({report['links']['dp']})"),
                        ("dp_exposed_s", "  of which not overlapped"),
-                       ("pp_comm_s", f"pp sends ({report['links']['pp']})"), ("step_s", "total (overlap modelled)"),
+                       ("pp_comm_s", f"pp sends ({report['links']['pp']})"),
+                       ("pp_exposed_s", "  of which not overlapped"), ("step_s", "total (overlap modelled)"),
                        ("step_s_no_overlap", "total without overlap")):
         lines.append(f"  {label:<40} {st[key]:9.3f}")
     lines.append(f"MFU {report['mfu']:.1%}, {report['tokens_per_s']:,.0f} tokens/s")

@@ -1,0 +1,100 @@
+"""The step's memory-bound kernels and kernel launches: what the planner adds to its matmul time.
+
+Why: the GPU dry run's estimate (jaxpar.gpu_program) walks XLA's scheduled GPU program and finds that
+matmuls are only part of a step. Norms, RoPE, SwiGLU, residual adds, XLA's softmax over [b, h, s, s]
+scores, the optimizer update and the LM head's softmax move bytes through HBM and do few FLOPs; on
+the 1B Llama with XLA attention they take as long as the matmuls (BENCHMARKS.md, "GPU-compiled dry
+runs"). A planner that prices only matmuls ranks layouts by the wrong cost and was 2-3x too fast.
+
+The model counts HBM bytes per unit of work, as fused GPU kernels move them (c = compute-dtype bytes,
+t tokens, local widths d, q, kv, f of one tp rank):
+- a layer's forward: two norms (read and write c t d each), two residual adds (3 c t d each), RoPE on
+  q and k (2 c t (q + kv)), SwiGLU (3 c t f): LAYER_D c t d + 2 c t (q + kv) + 3 c t f; its backward
+  BACKWARD_RATIO times that, a recomputed forward (full remat) once more. Every executed pipeline
+  slot counts: masked slots run their kernels too.
+- XLA's attention (not cuDNN's, which keeps the scores on chip): per score element of a layer's
+  forward and backward, SCORE_BYTES_SAVED when the probabilities are kept (remat none / dots) and
+  SCORE_BYTES_RECOMPUTED when the backward recomputes them.
+- the optimizer: OPTIMIZER_BYTES per optimizer-sharded parameter (read and write the fp32 master, m,
+  v and gradient, write the bf16 parameters; on a GPU the NaN guard's conditional writes the new
+  state to fresh buffers and copies it back: planner/memory.py).
+- the LM head: HEAD_BYTES per logit of the vocabulary shard (fp32 logits, their softmax and its
+  cotangent, written and read).
+- a pipeline's backward slots: each adds its chunk's gradients into the fp32 accumulators,
+  ACCUMULATE_BYTES per parameter of the chunk.
+- ZeRO-3: each layer pass writes and reads the gathered weights (2 c per parameter) and the backward
+  the fp32 gradient before its reduce-scatter (8 bytes per parameter).
+- launches: KERNELS_PER_LAYER_PASS kernels per executed layer pass at gpu_program.KERNEL_LAUNCH_S.
+Where the constants come from: LAYER_D and BACKWARD_RATIO from counting the kernels above; the two
+score constants and KERNELS_PER_LAYER_PASS from the GPU dry runs of a 3B-shaped Llama (8 layers,
+d_model 3072) on 8 H100s (docs/planner.md, "Fit to the GPU compiler"), not from the configs the
+planner is checked against. The VLA's encoder is not priced here (its matmuls are; it is a few
+percent of a VLA step).
+"""
+
+from __future__ import annotations
+
+from jaxpar.config import Config
+from jaxpar.planner import kernels
+from jaxpar.planner.hardware import Hardware
+from jaxpar.planner.memory import llm_block, local_params, microbatch, pipeline_table, seq_len
+
+LAYER_D = 10  # c t d bytes of a layer forward's norms and residual adds
+BACKWARD_RATIO = 2.5  # a layer backward's elementwise bytes / its forward's (cotangents, some fp32)
+SCORE_BYTES_SAVED = 139  # per [b, h, s, s] element of a layer, forward + backward, probabilities kept
+SCORE_BYTES_RECOMPUTED = 66  # likewise when the backward recomputes them (remat selective / full)
+OPTIMIZER_BYTES = 48
+HEAD_BYTES = 16
+ACCUMULATE_BYTES = 10  # per parameter of a chunk, per backward slot: read fp32 sum and bf16 gradient, write the sum
+KERNELS_PER_LAYER_PASS = 40
+KERNEL_LAUNCH_S = 3e-6  # as jaxpar.gpu_program
+
+
+def layer_passes(config: Config) -> dict[str, float]:
+    """Layer forwards, backwards and recomputed forwards one device executes per step (every
+    executed pipeline slot, a chunk slot being 1/v of the stage's layers)."""
+    mesh = config.mesh
+    layers = config.model.n_layers // mesh.pp
+    if mesh.pp > 1:
+        table = pipeline_table(config)
+        slots = {k: sum(ph.count for ph in table.phases if k in ph.kinds) for k in "FBW"}
+        per_slot = layers / config.pipeline.virtual_stages
+        forward, backward = slots["F"] * per_slot, (slots["B"] + slots["W"]) * per_slot
+    else:
+        forward = backward = float(layers * config.train.grad_accum)
+    again = backward if config.remat.policy == "full" else 0.0
+    return {"forward": forward, "backward": backward, "recomputed": again}
+
+
+def memory_bound_s(config: Config, hw: Hardware) -> dict[str, float]:
+    """Seconds of memory-bound kernels by part, and of kernel launches, per step on one device."""
+    config = kernels.resolve(config, "gpu", hw.compute_capability)
+    m, mesh = config.model, config.mesh
+    c = 2 if config.precision == "bf16" else 4
+    b, s = microbatch(config), seq_len(config)
+    blk, t = llm_block(config, "gpu"), b * s
+    passes = layer_passes(config)
+    forward_bytes = c * t * (LAYER_D * blk.d / blk.seq_split + 2 * (blk.q + blk.kv) + 3 * blk.f)
+    layers = forward_bytes * (passes["forward"] + passes["recomputed"] + BACKWARD_RATIO * passes["backward"])
+    attention = 0.0
+    if not blk.cudnn:
+        per_score = SCORE_BYTES_SAVED if config.remat.policy in ("none", "dots") else SCORE_BYTES_RECOMPUTED
+        attention = per_score * b * blk.heads * s * s * passes["backward"]
+    counts = local_params(config)
+    params = counts["llm_layers"] + counts["llm_rest"]
+    optimizer = OPTIMIZER_BYTES * params / (mesh.dp if config.zero.stage >= 1 else 1)
+    sequences = config.train.global_batch_size // mesh.dp
+    head = HEAD_BYTES * sequences * s * m.vocab_size / (mesh.tp * mesh.pp)
+    zero3 = 0.0
+    if config.zero.stage >= 3 and mesh.dp > 1:
+        per_layer = counts["llm_layers"] / (m.n_layers // mesh.pp)
+        zero3 = per_layer * (2 * c * sum(passes.values()) + 8 * passes["backward"])
+    accumulate = 0.0
+    if mesh.pp > 1:  # each B (and W) slot adds its chunk's gradients into the fp32 accumulators
+        chunk = counts["llm_layers"] / config.pipeline.virtual_stages
+        accumulate = ACCUMULATE_BYTES * chunk * passes["backward"] / (m.n_layers // mesh.pp / config.pipeline.virtual_stages)
+    rate = hw.hbm_tbps * 1e12
+    parts = {"layers": layers / rate, "attention": attention / rate, "optimizer": optimizer / rate,
+             "head": head / rate, "zero3": zero3 / rate, "accumulate": accumulate / rate}
+    launches = KERNELS_PER_LAYER_PASS * sum(passes.values()) * KERNEL_LAUNCH_S
+    return {"memory_s": sum(parts.values()), "memory_parts": parts, "launch_s": launches}
