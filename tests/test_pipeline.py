@@ -110,6 +110,22 @@ def test_early_dp_reductions_match_single_device(schedule, virtual, stage):
     assert_matches_single_device(dp_config(schedule, virtual, stage))
 
 
+def test_without_a_dp_reduction_the_layer_gradients_are_taken_whole_after_the_last_tick():
+    """dp = 1 (or ZeRO-2/3, which reduce inside the backward): nothing to overlap, so the accumulator
+    is not cut chunk by chunk (each cut is a copy of it: the GPU compiler held ~3 more fp32 copies of
+    vla70b's stage gradients at v = 10); with a dp reduction each chunk is taken as it is final."""
+    from jaxpar.parallel import schedule
+    from jaxpar.parallel.pipeline import Pipeline
+    table = schedule.build("1f1b", 2, 4, virtual=2)
+    alone = Pipeline(table, None, ("pp",))
+    assert alone.final_at == {table.ticks - 1: [("head",), ("layers", None), ("first",)]}
+    assert [(first, count) for _, first, count in alone._segments()] == [(p.first, p.count) for p in table.phases]
+    reduced = Pipeline(table, None, ("pp", "dp"), reduce_dp=lambda part, grads: grads)
+    assert sorted(part for parts in reduced.final_at.values() for part in parts if part[0] == "layers") == [
+        ("layers", 0), ("layers", 1)]
+    assert len(reduced.final_at) > 1  # the second chunk's gradient is final before the last tick
+
+
 def ticks_after_each_dp_reduction(config) -> tuple[collections.Counter, int]:
     """In the program jaxpar writes (before XLA's passes, which cannot add dependencies): for each
     non-scalar dp all-reduce / reduce-scatter, how many pipeline ticks run in scans that are not among

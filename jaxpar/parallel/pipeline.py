@@ -26,6 +26,8 @@ What makes it cheap:
   chunk c of an interleaved pipeline after stage 0's last backward of it, chunk 0 and the
   embedding after the last tick. Its reduction (a callback: ZeRO decides how) is issued there, so
   on GPUs the remaining ticks can overlap it: with v chunks, (v-1)/v of the layers' gradients.
+  Without a reduction to overlap (dp = 1, or ZeRO-2/3 reducing inside the backward) nothing is cut:
+  each cut copies the accumulator (a scan carry changing shape), which only the overlap pays for.
   Without interleaving the layers can only be reduced after the last tick: in lockstep every
   stage reaches that program point together, and stage 0, whose last backward is the last tick,
   is on the critical path whatever the others do (Megatron's overlap there, the bucket reductions
@@ -104,6 +106,7 @@ class Pipeline:
         self.input_grad_collective = input_grad_collective
         self.table, self.pieces, self.varying = schedule, pieces, varying_axes
         self.reduce_dp = reduce_dp or (lambda part, grads: grads)
+        self.early = reduce_dp is not None  # parts reduced over dp as they finish; else all after the last tick
         self.final_at = self._final_at()
         self.act_varying = varying_axes + activation_axes  # sequence parallelism: activations vary over tp
         self.p, self.m, self.v = schedule.stages, schedule.microbatches, schedule.virtual
@@ -295,15 +298,24 @@ class Pipeline:
             rows = jax.tree.map(jnp.asarray, self._rows(first, count))
             carry, _ = jax.lax.scan(self._tick(ctx, kinds), carry, rows)
             carry = self._reduce_final(params, carry, reduced, first + count - 1)
-        layers = [reduced[("layers", c)] for c in range(self.v)]
-        grads = {"first": reduced[("first",)], "head": reduced[("head",)],
-                 "layers": layers[0] if self.v == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *layers)}
+        if ("layers", None) in reduced:
+            layers = reduced[("layers", None)]
+        else:
+            chunks = [reduced[("layers", c)] for c in range(self.v)]
+            layers = chunks[0] if self.v == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *chunks)
+        grads = {"first": reduced[("first",)], "head": reduced[("head",)], "layers": layers}
         return carry["loss"], grads, carry.get("d_extra")
 
     # --------------------------------------------------------------- gradient reductions, early
     def _final_at(self) -> dict[int, list[tuple]]:
-        """{tick: the gradient parts that are final after it}: ("head",), ("layers", chunk), ("first",)."""
+        """{tick: the gradient parts that are final after it}: ("head",), ("layers", chunk), ("first",).
+        Without a dp reduction every part is taken after the last tick, the layers whole as ("layers",
+        None): cutting the accumulator chunk by chunk copies it (a scan carry that changes shape is a
+        new buffer), which only an overlapped reduction pays for (on the GPU compiler, vla70b's v = 10
+        at dp = 1 held ~3 more fp32 copies of the stage's gradients: docs/planner.md)."""
         final, at = self.table.gradients_final(), {}
+        if not self.early:
+            return {self.table.ticks - 1: [("head",), ("layers", None), ("first",)]}
         # the accumulator drops its top chunk as it finishes, so chunks must finish from the top down
         assert list(final["chunks"]) == sorted(final["chunks"], reverse=True), final["chunks"]
         at.setdefault(final["head"], []).append(("head",))
@@ -333,7 +345,7 @@ class Pipeline:
         parts = self.final_at.get(tick, [])
         for part in parts:
             name, final = part[0], grads[part[0]]
-            if name == "layers":
+            if name == "layers" and part[1] is not None:
                 size = jax.tree.leaves(params["layers"])[0].shape[0] // self.v
                 final = jax.tree.map(lambda a: a[part[1] * size:(part[1] + 1) * size], grads["layers"])
                 grads = {**grads, "layers": jax.tree.map(lambda a: a[:part[1] * size], grads["layers"])}

@@ -341,7 +341,8 @@ class StepBuilder:
         part_axes = self.pipeline_parts(self.axes)
         return Pipeline(table, self.stage_pieces(coll, policy, token_count), varying, pipe.stage_recompute,
                         activation_axes=coll.sequence_axes,  # sequence-parallel activations vary over tp too
-                        reduce_dp=lambda part, grads: self._reduce_grads_over_dp(grads, part_axes[part]),
+                        reduce_dp=(lambda part, grads: self._reduce_grads_over_dp(grads, part_axes[part]))
+                        if self.zero.reduces_after_backward else None,  # None: nothing to reduce early
                         input_grad_collective=coll.tp_axis is not None)
 
     @staticmethod
