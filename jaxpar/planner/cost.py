@@ -177,9 +177,22 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     # tp all-reduces run beside its weight-gradient matmuls; the pipeline's sends beside the ticks' compute
     tp_exposed = tp_s * 2 * forwards / (2 * forwards + 2)
     return {"tp_comm_s": tp_s, "tp_exposed_s": tp_exposed, "pp_sends_s": sends_s,
+            "vision_dp_s": _vision_dp_s(config, hw, gpus_per_node, c),
             "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"],
             "dp_grad_reduce_s": dp["grad_reduce"], "pp_comm_s": pp_s,
             "links": {"tp": tp_link, "dp": dp["link"], "pp": pp_link}}
+
+
+def _vision_dp_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> float:
+    """The VLA encoder's gradient sync over its data-parallel devices (all of them / vision.tp), by its
+    own ZeRO stage, as the LLM's below; after the LLM's backward, so not overlapped."""
+    if config.model.kind != "vla":
+        return 0.0
+    ways = vision_data_ways(config)
+    g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
+    per_element = {0: 2 * g, 1: g + c, 2: g + c}.get(config.vision.zero.stage, g + 2 * c)
+    bw, _ = link_bandwidth(config.vision.tp, ways, gpus_per_node, hw)
+    return 0.0 if ways <= 1 else per_element * (ways - 1) / ways * local_params(config)["vision"] / bw
 
 
 def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> dict:
@@ -255,6 +268,7 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     compute_s += hbm["memory_s"] + hbm["launch_s"]  # every executed slot's kernels: not scaled by the bubble
     without_overlap = compute_s + bubble_s + comm["tp_comm_s"] + comm["dp_comm_s"] + comm["pp_comm_s"]
     comm["pp_exposed_s"] = comm["pp_comm_s"] - min(comm["pp_sends_s"], busy_layers_s + bubble_s)
+    without_overlap += comm["vision_dp_s"]
     total = (without_overlap - comm["dp_comm_s"] + comm["dp_exposed_s"] - comm["tp_comm_s"] + comm["tp_exposed_s"]
              - comm["pp_comm_s"] + comm["pp_exposed_s"])
     tokens = config.train.global_batch_size * seq_len(config)

@@ -22,10 +22,13 @@ t tokens, local widths d, q, kv, f of one tp rank):
   cotangent, written and read).
 - a pipeline's backward slots: each adds its chunk's gradients into the fp32 accumulators,
   ACCUMULATE_BYTES per parameter of the chunk.
+- the layer scans: each layer pass copies its weights out of the stacked array (read and write, 2 c
+  per parameter) and each backward writes its gradients into the stacked gradient (c).
 - ZeRO-3: each layer pass writes and reads the gathered weights (2 c per parameter) and the backward
   the fp32 gradient before its reduce-scatter (8 bytes per parameter).
 - launches: KERNELS_PER_LAYER_PASS kernels per executed layer pass at gpu_program.KERNEL_LAUNCH_S.
-Where the constants come from: LAYER_D and BACKWARD_RATIO from counting the kernels above; the two
+Where the constants come from: LAYER_D, BACKWARD_RATIO, WEIGHT_SLICE_BYTES and ACCUMULATE_BYTES from
+counting the kernels' bytes (the last two found in the seed's vla70b program on 64 A100s); the two
 score constants and KERNELS_PER_LAYER_PASS from the GPU dry runs of a 3B-shaped Llama (8 layers,
 d_model 3072) on 8 H100s (docs/planner.md, "Fit to the GPU compiler"), not from the configs the
 planner is checked against. The VLA's encoder is not priced here (its matmuls are; it is a few
@@ -45,6 +48,7 @@ SCORE_BYTES_SAVED = 139  # per [b, h, s, s] element of a layer, forward + backwa
 SCORE_BYTES_RECOMPUTED = 66  # likewise when the backward recomputes them (remat selective / full)
 OPTIMIZER_BYTES = 48
 HEAD_BYTES = 16
+WEIGHT_SLICE_BYTES = 2  # x c per parameter: a layer pass copies its weights out of the stacked array
 ACCUMULATE_BYTES = 10  # per parameter of a chunk, per backward slot: read fp32 sum and bf16 gradient, write the sum
 KERNELS_PER_LAYER_PASS = 40
 KERNEL_LAUNCH_S = 3e-6  # as jaxpar.gpu_program
@@ -85,16 +89,16 @@ def memory_bound_s(config: Config, hw: Hardware) -> dict[str, float]:
     optimizer = OPTIMIZER_BYTES * params / (mesh.dp if config.zero.stage >= 1 else 1)
     sequences = config.train.global_batch_size // mesh.dp
     head = HEAD_BYTES * sequences * s * m.vocab_size / (mesh.tp * mesh.pp)
+    per_layer = counts["llm_layers"] / (m.n_layers // mesh.pp)
+    weights = c * per_layer * (WEIGHT_SLICE_BYTES * sum(passes.values()) + passes["backward"])
     zero3 = 0.0
     if config.zero.stage >= 3 and mesh.dp > 1:
-        per_layer = counts["llm_layers"] / (m.n_layers // mesh.pp)
         zero3 = per_layer * (2 * c * sum(passes.values()) + 8 * passes["backward"])
-    accumulate = 0.0
-    if mesh.pp > 1:  # each B (and W) slot adds its chunk's gradients into the fp32 accumulators
-        chunk = counts["llm_layers"] / config.pipeline.virtual_stages
-        accumulate = ACCUMULATE_BYTES * chunk * passes["backward"] / (m.n_layers // mesh.pp / config.pipeline.virtual_stages)
+    # each B (and W) slot adds its chunk's gradients into the fp32 accumulators: per layer of it
+    accumulate = ACCUMULATE_BYTES * per_layer * passes["backward"] if mesh.pp > 1 else 0.0
     rate = hw.hbm_tbps * 1e12
     parts = {"layers": layers / rate, "attention": attention / rate, "optimizer": optimizer / rate,
-             "head": head / rate, "zero3": zero3 / rate, "accumulate": accumulate / rate}
+             "head": head / rate, "zero3": zero3 / rate, "accumulate": accumulate / rate,
+             "weights": weights / rate}
     launches = KERNELS_PER_LAYER_PASS * sum(passes.values()) * KERNEL_LAUNCH_S
     return {"memory_s": sum(parts.values()), "memory_parts": parts, "launch_s": launches}
