@@ -9,7 +9,9 @@ activations, one layer's recompute + backward working set) and the optimizer upd
 clipped fp32 gradients, Adam's new moments of one leaf, net of the dead bf16 parameters' buffers).
 docs/planner.md has the derivation and the comparison with the compiled program.
 
-`target="cpu"` adds what XLA:CPU does and a GPU does not (found in the compiled memory report of the
+`target="gpu"` follows what XLA's GPU compiler allocates (the attention kernel `auto` picks, the
+optimizer update's conditional copying the state, the pipeline stash allocated whole; docs/planner.md,
+"Fit to the GPU compiler"). `target="cpu"` adds what XLA:CPU does and a GPU does not (found in the compiled memory report of the
 dry run, docs/planner.md): it widens bf16 to f32, so the bf16 weights get an f32 copy for the
 matmuls and the bf16 residual stacks of the layer scan an f32 twin; and its memory analysis counts
 host (offloaded) bytes as device bytes. Only used to compare with dry runs on this CPU host.
@@ -314,10 +316,11 @@ def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.
     freed = st["params"] if bf16 else 0.0
     update = max(update - freed, 0.0)
     if target == "gpu":  # XLA's GPU conditional writes the whole new optimizer state (master, m, v) to
-        # fresh buffers, copied into the donated ones after it: one more device copy of it (the live
-        # ranges at the GPU compiler's update peak hold nothing else), beside the reduced gradients
+        # fresh buffers, copied into the donated ones after it: one more device copy of it. Beside it the
+        # reduced gradients (ZeRO 0-1) and the last leaf's Adam temporaries: what llama7b dp 8 ZeRO-1 and
+        # vla70b on 16 GPUs need; vla_openvla's program holds only the copy (+16%, docs/planner.md)
         update = max(update, st["device_state"] - st["params"] + gr["reduced"] * (config.zero.stage < 2)
-                     + 8 * _largest_leaf(config))  # and the last leaf's Adam temporaries
+                     + 8 * _largest_leaf(config))
     temp = max(backward, update)
     per_device = {"params": st["params"], "master": st["master"], "optimizer": st["optimizer"],
                   "optimizer_on_host": st["opt_on_host"], "gradients": gr["backward"],
