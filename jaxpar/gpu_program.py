@@ -46,7 +46,7 @@ from jaxpar.planner.hardware import GB, Hardware
 # 0.324 / 0.251 / 0.285 s measured; this value gives 0.339 / 0.243 / 0.278 s, errors +5 / -3 / -3%); the
 # planner's profiles use the same value (jaxpar.planner.hardware).
 MATMUL_EFFICIENCY = hardware.MATMUL_EFFICIENCY
-KERNEL_LAUNCH_S = 3e-6  # per kernel: launch and tail of a small grid (assumption, see the docstring)
+KERNEL_LAUNCH_S = hardware.KERNEL_LAUNCH_S
 COLLECTIVE_LATENCY_S = 10e-6  # per collective: NCCL's small-message latency on NVLink (assumption)
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
          "after-all", "opt-barrier", "add-dependency", "async-update"}

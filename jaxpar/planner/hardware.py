@@ -26,6 +26,7 @@ from jaxpar.errors import ConfigError
 
 GB = 1e9
 MATMUL_EFFICIENCY = 0.55  # the H200 calibration (module docstring); Hardware's default
+KERNEL_LAUNCH_S = 3e-6  # per GPU kernel: launch and tail of a small grid (an assumption; gpu_program, planner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Hardware:
     nvlink_gbps: float  # per GPU, bidirectional (GB/s); a ring all-reduce moves half of it each way
     ib_gbps_per_node: float  # inter-node bandwidth of one node, all NICs together (GB/s, one direction)
     pcie_gbps: float = 64.0
-    matmul_efficiency: float = 0.55  # fitted (see module docstring): MATMUL_EFFICIENCY
+    matmul_efficiency: float = MATMUL_EFFICIENCY  # fitted (see module docstring)
     usable_hbm_fraction: float = 0.95  # CUDA context, allocator fragmentation, NCCL buffers
     compute_capability: float = 9.0  # 8.0 Ampere, 9.0 Hopper: what cuDNN attention may run (planner/kernels.py)
 

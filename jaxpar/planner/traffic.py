@@ -26,7 +26,7 @@ t tokens, local widths d, q, kv, f of one tp rank):
   per parameter) and each backward writes its gradients into the stacked gradient (c).
 - ZeRO-3: each layer pass writes and reads the gathered weights (2 c per parameter) and the backward
   the fp32 gradient before its reduce-scatter (8 bytes per parameter).
-- launches: KERNELS_PER_LAYER_PASS kernels per executed layer pass at gpu_program.KERNEL_LAUNCH_S.
+- launches: KERNELS_PER_LAYER_PASS kernels per executed layer pass at hardware.KERNEL_LAUNCH_S.
 Where the constants come from: LAYER_D, BACKWARD_RATIO, WEIGHT_SLICE_BYTES and ACCUMULATE_BYTES from
 counting the kernels' bytes (the last two found in the seed's vla70b program on 64 A100s); the two
 score constants and KERNELS_PER_LAYER_PASS from the GPU dry runs of a 3B-shaped Llama (8 layers,
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from jaxpar.config import Config
 from jaxpar.planner import kernels
-from jaxpar.planner.hardware import Hardware
+from jaxpar.planner.hardware import KERNEL_LAUNCH_S, Hardware
 from jaxpar.planner.memory import llm_block, local_params, microbatch, pipeline_table, seq_len
 
 LAYER_D = 10  # c t d bytes of a layer forward's norms and residual adds
@@ -51,7 +51,6 @@ HEAD_BYTES = 16
 WEIGHT_SLICE_BYTES = 2  # x c per parameter: a layer pass copies its weights out of the stacked array
 ACCUMULATE_BYTES = 10  # per parameter of a chunk, per backward slot: read fp32 sum and bf16 gradient, write the sum
 KERNELS_PER_LAYER_PASS = 40
-KERNEL_LAUNCH_S = 3e-6  # as jaxpar.gpu_program
 
 
 def layer_passes(config: Config) -> dict[str, float]:
