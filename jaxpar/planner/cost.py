@@ -264,7 +264,7 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     layers = config.model.n_layers // config.mesh.pp
     comm["dp_exposed_s"] = (exposed_dp_s(comm["dp_comm_s"], comm["dp_in_scan_s"], layers, busy_layers_s)
                             - pipelined_dp_hidden_s(config, comm["dp_grad_reduce_s"], busy_layers_s + bubble_s))
-    hbm = traffic.memory_bound_s(config, hw)
+    hbm = traffic.memory_bound_s(config, hw, slot_counts(config))
     compute_s += hbm["memory_s"] + hbm["launch_s"]  # every executed slot's kernels: not scaled by the bubble
     without_overlap = compute_s + bubble_s + comm["tp_comm_s"] + comm["dp_comm_s"] + comm["pp_comm_s"]
     comm["pp_exposed_s"] = comm["pp_comm_s"] - min(comm["pp_sends_s"], busy_layers_s + bubble_s)

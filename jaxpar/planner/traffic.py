@@ -40,7 +40,7 @@ from __future__ import annotations
 from jaxpar.config import Config
 from jaxpar.planner import kernels
 from jaxpar.planner.hardware import KERNEL_LAUNCH_S, Hardware
-from jaxpar.planner.memory import llm_block, local_params, microbatch, pipeline_table, seq_len
+from jaxpar.planner.memory import llm_block, local_params, microbatch, seq_len
 
 LAYER_D = 10  # c t d bytes of a layer forward's norms and residual adds
 BACKWARD_RATIO = 2.5  # a layer backward's elementwise bytes / its forward's (cotangents, some fp32)
@@ -53,14 +53,13 @@ ACCUMULATE_BYTES = 10  # per parameter of a chunk, per backward slot: read fp32 
 KERNELS_PER_LAYER_PASS = 40
 
 
-def layer_passes(config: Config) -> dict[str, float]:
-    """Layer forwards, backwards and recomputed forwards one device executes per step (every
-    executed pipeline slot, a chunk slot being 1/v of the stage's layers)."""
+def layer_passes(config: Config, slots: dict[str, int]) -> dict[str, float]:
+    """Layer forwards, backwards and recomputed forwards one device executes per step, from the
+    executed chunk slots of each kind (jaxpar.planner.cost.slot_counts; a chunk slot is 1/v of the
+    stage's layers)."""
     mesh = config.mesh
     layers = config.model.n_layers // mesh.pp
     if mesh.pp > 1:
-        table = pipeline_table(config)
-        slots = {k: sum(ph.count for ph in table.phases if k in ph.kinds) for k in "FBW"}
         per_slot = layers / config.pipeline.virtual_stages
         forward, backward = slots["F"] * per_slot, (slots["B"] + slots["W"]) * per_slot
     else:
@@ -69,14 +68,15 @@ def layer_passes(config: Config) -> dict[str, float]:
     return {"forward": forward, "backward": backward, "recomputed": again}
 
 
-def memory_bound_s(config: Config, hw: Hardware) -> dict[str, float]:
-    """Seconds of memory-bound kernels by part, and of kernel launches, per step on one device."""
+def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[str, float]:
+    """Seconds of memory-bound kernels by part, and of kernel launches, per step on one device
+    (`slots`: the executed chunk slots by kind, jaxpar.planner.cost.slot_counts)."""
     config = kernels.resolve(config, "gpu", hw.compute_capability)
     m, mesh = config.model, config.mesh
     c = 2 if config.precision == "bf16" else 4
     b, s = microbatch(config), seq_len(config)
     blk, t = llm_block(config, "gpu"), b * s
-    passes = layer_passes(config)
+    passes = layer_passes(config, slots)
     forward_bytes = c * t * (LAYER_D * blk.d / blk.seq_split + 2 * (blk.q + blk.kv) + 3 * blk.f)
     layers = forward_bytes * (passes["forward"] + passes["recomputed"] + BACKWARD_RATIO * passes["backward"])
     attention = 0.0
