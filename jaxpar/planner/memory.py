@@ -281,6 +281,18 @@ def _largest_leaf(config: Config) -> float:
     return leaf / (mesh.dp if config.zero.stage >= 1 else 1)
 
 
+def _dp_reduction(config: Config, gradients: float) -> float:
+    """GPU bytes while ZeRO 0-1 all-reduce the whole gradient over dp after the backward: the
+    compute-dtype gradients, and grad_reduce's copy of two leaves in flight (the async all-reduce of
+    one beside the conversion of the next), the largest leaf counting twice."""
+    mesh = config.mesh
+    if mesh.dp == 1 or config.zero.stage >= 2:
+        return 0.0
+    g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
+    m = config.model
+    return gradients + 2 * g * (m.n_layers // mesh.pp) * m.d_model * (m.d_ff // mesh.tp)
+
+
 def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.0) -> dict:
     """Per-device bytes of one train step of `config`: every term, the two phases and the peak.
     Attention is priced as the kernel a run on the target would use (planner/kernels.py)."""
@@ -315,12 +327,13 @@ def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.
         update += 4 * llm  # the fp32 accumulators are still live when the reduction starts
     freed = st["params"] if bf16 else 0.0
     update = max(update - freed, 0.0)
-    if target == "gpu":  # XLA's GPU conditional writes the whole new optimizer state (master, m, v) to
-        # fresh buffers, copied into the donated ones after it: one more device copy of it. Beside it the
-        # reduced gradients (ZeRO 0-1) and the last leaf's Adam temporaries: what llama7b dp 8 ZeRO-1 and
-        # vla70b on 16 GPUs need; vla_openvla's program holds only the copy (+16%, docs/planner.md)
-        update = max(update, st["device_state"] - st["params"] + gr["reduced"] * (config.zero.stage < 2)
-                     + 8 * _largest_leaf(config))
+    if target == "gpu" and not st["opt_on_host"]:  # XLA's GPU conditional writes the whole new optimizer
+        # state (master, m, v) to fresh buffers, copied into the donated ones after it; each leaf's gradient
+        # dies once its Adam has run, so the conditional peaks at its end: the new state and the last leaf's
+        # Adam temporaries. (Offloaded state keeps the terms above: without a device the GPU compiler has no
+        # pinned host memory, so no GPU program has checked them.)
+        update = st["device_state"] - st["params"] + 8 * _largest_leaf(config)
+        update = max(update, _dp_reduction(config, gr["reduced"]))
     temp = max(backward, update)
     per_device = {"params": st["params"], "master": st["master"], "optimizer": st["optimizer"],
                   "optimizer_on_host": st["opt_on_host"], "gradients": gr["backward"],
