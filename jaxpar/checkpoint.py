@@ -24,7 +24,9 @@ from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.pipeline import layer_order, reorder_layers
 
-VISION_FREE = ("tp", "zero", "remat", "pos_init", "attention")  # the encoder's layout, init and kernel: free
+# the encoder's layout, init, kernel and the data's resize filter: free (vision.image_mean / image_std are
+# not: they define the inputs the weights were trained on)
+VISION_FREE = ("tp", "zero", "remat", "pos_init", "attention", "resize")
 MODEL_FREE = ("attention",)  # the attention kernel (auto / xla / cudnn) changes no weight: free on resume
 
 
@@ -36,8 +38,13 @@ def _model_fingerprint(config: Config) -> dict:
     out = {"model": model,
            "state": {"precision": config.precision, "clipping": config.train.grad_clip > 0}}
     if config.model.kind == "vla":
-        out["vision"] = {k: v for k, v in dataclasses.asdict(config.vision).items() if k not in VISION_FREE}
+        out["vision"] = {k: _as_json(v) for k, v in dataclasses.asdict(config.vision).items() if k not in VISION_FREE}
     return out
+
+
+def _as_json(value):
+    """A config value as it reads back from the checkpoint's JSON metadata (tuples are lists)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def fingerprint_mismatch(saved: dict, config: Config) -> str | None:
@@ -47,7 +54,7 @@ def fingerprint_mismatch(saved: dict, config: Config) -> str | None:
     counts as its default, which is the behaviour before the field existed (e.g. vision.film=false)."""
     for key, value in _model_fingerprint(config).items():
         section = getattr(config, key, None)
-        defaults = {f.name: f.default for f in dataclasses.fields(section)
+        defaults = {f.name: _as_json(f.default) for f in dataclasses.fields(section)
                     if f.default is not dataclasses.MISSING} if dataclasses.is_dataclass(section) else {}
         old = saved.get(key)
         if isinstance(old, dict):

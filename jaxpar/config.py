@@ -112,6 +112,8 @@ class RematConfig:
 REMAT_POLICIES = ("none", "dots", "selective", "offload", "full")  # jaxpar.parallel.remat
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb")
 ATTENTION_KINDS = ("auto", "xla", "cudnn")  # jaxpar.attention_choice
+# vision.resize: "area" (box down, bilinear up) or a PIL resampling filter (jaxpar.data.lerobot.resize)
+RESIZE_FILTERS = ("area", "nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +148,17 @@ class VisionConfig:
     zero: VisionZeroConfig = VisionZeroConfig()  # 0-2, over all devices not used by the vision tp
     remat: RematConfig = RematConfig()
     attention: str = ""  # the encoder's attention kernel (auto, xla, cudnn); "" = as model.attention
+    # Pixel normalisation inside the encoder (jaxpar.models.vit.normalise): the model's images are x / 255
+    # (uint8 pixels scaled to [0, 1]) and the encoder first computes (x / 255 - image_mean) / image_std
+    # per channel (3 values, or one for every channel). Random init: mean 0, std 1 (the [0, 1] pixels
+    # as they are, as before these keys existed). init.vision_from_hf: the directory's
+    # preprocessor_config.json, else SigLIP's 0.5 / 0.5, i.e. [-1, 1] (jaxpar.hf_siglip).
+    image_mean: tuple[float, ...] = (0.0,)
+    image_std: tuple[float, ...] = (1.0,)
+    # How a LeRobot dataset's frames are resized to image_size (jaxpar.data.lerobot.resize): "area" (box
+    # filter down, bilinear up) or a PIL filter (bicubic, bilinear, ...); init.vision_from_hf sets the
+    # processor's (SigLIP: bicubic)
+    resize: str = "area"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,9 +433,14 @@ def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+ONE_FOR_ALL = ("vision.image_mean", "vision.image_std")  # per-channel lists that also take one number
+
+
 def coerce(value: Any, field_type: type, key: str) -> Any:
     if typing.get_origin(field_type) is tuple:
         item_type = typing.get_args(field_type)[0]
+        if key in ONE_FOR_ALL and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return (float(value),)  # e.g. vision.image_mean = 0.5 in a config file: every channel's
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}' must be a list of {item_type.__name__}s, got {value!r}")
         return tuple(coerce(item, item_type, key) for item in value)

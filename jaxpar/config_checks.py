@@ -3,7 +3,8 @@ that names the key and the fix. jaxpar.config re-exports `validate` and the help
 
 from __future__ import annotations
 
-from jaxpar.config import ATTENTION_KINDS, PIPELINE_SCHEDULES, REMAT_POLICIES, ActionConfig, Config
+from jaxpar.config import (ATTENTION_KINDS, PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig,
+                           Config, VisionConfig)
 from jaxpar.errors import ConfigError
 
 def _require(ok: bool, message: str) -> None:
@@ -164,6 +165,7 @@ def _validate_vla(config: Config) -> None:
     _require(vis.zero.stage in (0, 1, 2), f"vision.zero.stage={vis.zero.stage}: the vision encoder supports "
                                           f"ZeRO 0, 1 or 2")
     _validate_vla_inits(config)
+    _validate_pixels(vis)
     _require(vis.remat.policy in REMAT_POLICIES, f"vision.remat.policy='{vis.remat.policy}' is unknown; "
                                                  f"use one of {', '.join(REMAT_POLICIES)}")
     text_vocab = model.vocab_size - act.bins
@@ -194,6 +196,17 @@ def _validate_action_range(act: ActionConfig) -> None:
     _require(not act.q01 or act.normalization != "bounds",
              "actions.q01 / q99 are set but actions.normalization=bounds; use quantile, or drop q01 / q99")
     _require(all(lo <= hi for lo, hi in zip(act.q01, act.q99)), "actions.q01 must be <= actions.q99 in every dim")
+
+
+def _validate_pixels(vis: VisionConfig) -> None:
+    for key in ("image_mean", "image_std"):
+        values = getattr(vis, key)
+        _require(len(values) in (1, vis.channels),
+                 f"vision.{key}={list(values)}: give one value per channel (vision.channels={vis.channels}) "
+                 f"or one for all")
+    _require(all(s > 0 for s in vis.image_std), f"vision.image_std={list(vis.image_std)} must be > 0 in every channel")
+    _require(vis.resize in RESIZE_FILTERS,
+             f"vision.resize='{vis.resize}' is unknown; use one of {', '.join(RESIZE_FILTERS)}")
 
 
 def _validate_vla_inits(config: Config) -> None:

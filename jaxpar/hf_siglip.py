@@ -16,6 +16,13 @@ MAP pooling head is not used (a VLA feeds every patch token to the projector, as
 | encoder.layers.{i}.mlp.fc2.weight [D, F] / bias      | blocks.w_out [F, D] / out_bias    |
 | post_layernorm.weight / bias                         | final_scale / final_bias          |
 
+Pixels: SigLIP was trained on (x / 255 - 0.5) / 0.5 (SiglipImageProcessor: bicubic resize to
+image_size, rescale by 1/255, normalise with image_mean = image_std = 0.5), not on jaxpar's x / 255.
+`with_vision_from_hf` therefore also sets vision.image_mean / image_std (applied in the encoder,
+jaxpar.models.vit.normalise) and vision.resize (applied to LeRobot frames, jaxpar.data.lerobot.resize)
+from the directory's preprocessor_config.json, or SigLIP's values where it has none
+(`preprocessing_fields`); `write_vision` writes them back into one.
+
 The encoder (0.4B parameters for so400m) is read whole on each host and then laid out; the LLM is
 the part that needs streaming (jaxpar.hf_llama).
 """
@@ -58,12 +65,40 @@ def vision_fields(directory: str | pathlib.Path) -> dict:
                 channels=hf.get("num_channels", 3), bias=True)
 
 
+SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)  # SiglipImageProcessor's defaults (IMAGENET_STANDARD_MEAN / STD)
+SIGLIP_RESAMPLE = 3  # PIL.Image.BICUBIC, SiglipImageProcessor's default
+PIL_FILTERS = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}  # PIL.Image.Resampling
+
+
+def preprocessing_fields(directory: str | pathlib.Path) -> dict:
+    """vision.image_mean / image_std / resize of the image processor in `directory`/preprocessor_config.json
+    (SiglipImageProcessor's fields), or SigLIP's (0.5, 0.5, bicubic) where there is no such file. jaxpar
+    always feeds pixels / 255 to the encoder, so a processor that rescales otherwise is refused."""
+    path = pathlib.Path(directory) / "preprocessor_config.json"
+    hf = json.loads(path.read_text()) if path.is_file() else {}
+    if not hf.get("do_rescale", True) or abs(float(hf.get("rescale_factor", 1 / 255)) * 255 - 1) > 1e-6:
+        raise ConfigError(f"{path}: do_rescale={hf.get('do_rescale', True)}, rescale_factor="
+                          f"{hf.get('rescale_factor', 1 / 255)} is not supported; jaxpar scales pixels by 1/255 "
+                          f"before normalising")
+    per_channel = lambda v: tuple(float(x) for x in (v if isinstance(v, (list, tuple)) else [v]))  # noqa: E731
+    if hf.get("do_normalize", True):
+        mean, std = per_channel(hf.get("image_mean", SIGLIP_MEAN)), per_channel(hf.get("image_std", SIGLIP_STD))
+    else:
+        mean, std = (0.0,), (1.0,)
+    resample = hf.get("resample", SIGLIP_RESAMPLE)
+    if resample not in PIL_FILTERS:
+        raise ConfigError(f"{path}: resample={resample!r} is not a PIL filter (0-5)")
+    return dict(image_mean=mean, image_std=std, resize=PIL_FILTERS[resample])
+
+
 def with_vision_from_hf(config: Config) -> Config:
-    """`config` with vision.* taken from init.vision_from_hf's config.json (conflicts: one line)."""
+    """`config` with vision.* taken from init.vision_from_hf's config.json and preprocessor_config.json
+    (conflicts: one line)."""
     directory = config.init.vision_from_hf
     if not directory:
         return config
-    return with_section_from_checkpoint(config, "vision", vision_fields(directory), directory)
+    fields = {**vision_fields(directory), **preprocessing_fields(directory)}
+    return with_section_from_checkpoint(config, "vision", fields, directory)
 
 
 def load_vision(directory: str | pathlib.Path, cfg: VisionConfig) -> dict:
@@ -115,9 +150,21 @@ def siglip_config(cfg: VisionConfig) -> dict:
             "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, "torch_dtype": "float32"}
 
 
+def processor_config(cfg: VisionConfig) -> dict:
+    """preprocessor_config.json of a SiglipImageProcessor that feeds the encoder as this run did (its
+    mean / std / resize; "area" has no PIL filter of its own and is written as bilinear)."""
+    resample = {name: code for code, name in PIL_FILTERS.items()}.get(cfg.resize, 2)
+    three = lambda v: list(v) * (cfg.channels if len(v) == 1 else 1)  # noqa: E731
+    return {"image_processor_type": "SiglipImageProcessor", "do_resize": True, "resample": resample,
+            "size": {"height": cfg.image_size, "width": cfg.image_size}, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": three(cfg.image_mean),
+            "image_std": three(cfg.image_std), "do_convert_rgb": True}
+
+
 def write_vision(weights: dict, cfg: VisionConfig, out_dir: str | pathlib.Path) -> pathlib.Path:
-    """A Hugging Face SiglipVisionModel directory from the encoder's weights ({"vit": ...}, numpy),
-    plus projector.safetensors (jaxpar's w1 [width, projector_dim], w2 [projector_dim, llm width]) when
+    """A Hugging Face SiglipVisionModel directory from the encoder's weights ({"vit": ...}, numpy) with
+    the run's pixel statistics as preprocessor_config.json (`processor_config`), plus
+    projector.safetensors (jaxpar's w1 [width, projector_dim], w2 [projector_dim, llm width]) when
     `weights` has a projector. Needs vision.bias (SigLIP has every bias) and no FiLM."""
     from safetensors.numpy import save_file
 
@@ -147,6 +194,7 @@ def write_vision(weights: dict, cfg: VisionConfig, out_dir: str | pathlib.Path) 
     save_file({k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}, target / "model.safetensors",
               metadata={"format": "pt"})
     (target / "config.json").write_text(json.dumps(siglip_config(cfg), indent=2))
+    (target / "preprocessor_config.json").write_text(json.dumps(processor_config(cfg), indent=2))
     if "projector" in weights:
         save_file({k: np.ascontiguousarray(v, np.float32) for k, v in weights["projector"].items()},
                   target / "projector.safetensors", metadata={"format": "jaxpar-projector"})

@@ -36,6 +36,12 @@ def make_siglip(directory, image_size=16, patch_size=4, width=64, depth=2, heads
     return model
 
 
+def siglip_processor():
+    """SiglipImageProcessor's PIL backend (resize by PIL, as the processor always did): transformers 5
+    names it SiglipImageProcessorPil, and SiglipImageProcessor picks torchvision where it is installed."""
+    return getattr(transformers, "SiglipImageProcessorPil", transformers.SiglipImageProcessor)
+
+
 def images(n=2, size=16, seed=0):
     return np.random.default_rng(seed).normal(size=(n, size, size, 3)).astype(np.float32)
 
@@ -169,11 +175,129 @@ def test_vla_export_writes_a_llama_and_a_siglip_that_transformers_loads(tmp_path
 
     _, _, weights = export.restore_weights(run_dir)
     tower = transformers.SiglipVisionModel.from_pretrained(tmp_path / "out" / "vision").eval()
-    pixels = images()
-    close(np.asarray(vit.features(weights, pixels[:, None], config.vision, Collectives())), hf_features(tower, pixels))
+    pixels = images()  # already normalised for transformers; jaxpar's encoder takes them in [0, 1] and normalises
+    assert config.vision.image_mean == config.vision.image_std == (0.5, 0.5, 0.5)
+    close(np.asarray(vit.features(weights, pixels[:, None] * 0.5 + 0.5, config.vision, Collectives())),
+          hf_features(tower, pixels))
+    processor = siglip_processor().from_pretrained(tmp_path / "out" / "vision")  # the run's pixel statistics
+    assert list(processor.image_mean) == list(processor.image_std) == [0.5] * 3 and processor.resample == 3
     original = transformers.SiglipVisionModel.from_pretrained(tmp_path / "siglip").eval()
     assert not np.allclose(hf_features(original, pixels), hf_features(tower, pixels), atol=1e-4), "trained weights"
     projector = load_file(tmp_path / "out" / "vision" / "projector.safetensors")
     np.testing.assert_array_equal(projector["w2"], weights["projector"]["w2"])
     llm = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out" / "llm")
     np.testing.assert_array_equal(llm.model.embed_tokens.weight.detach().numpy(), weights["embed"])
+
+
+# ----------------------------------------------------------------------------- pixels: uint8 to features
+
+
+def write_lerobot_pngs(root, frames_TxHxWx3: np.ndarray, task: str = "look") -> None:
+    """A one-episode LeRobot v2.1 dataset whose one camera is an image feature (PNG bytes, lossless):
+    lerobot's layout as tests/test_lerobot.py writes it, with only what the reader needs."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    n, h, w, _ = frames_TxHxWx3.shape
+    camera = "observation.images.cam"
+    features = {"action": {"dtype": "float32", "shape": [7], "names": [f"a{i}" for i in range(7)]},
+                camera: {"dtype": "image", "shape": [h, w, 3], "names": ["height", "width", "channels"]},
+                "timestamp": {"dtype": "float32", "shape": [1], "names": None},
+                **{k: {"dtype": "int64", "shape": [1], "names": None}
+                   for k in ("frame_index", "episode_index", "index", "task_index")}}
+    info = {"codebase_version": "v2.1", "robot_type": "test", "total_episodes": 1, "total_frames": n,
+            "total_tasks": 1, "chunks_size": 1000, "fps": 10, "splits": {"train": "0:1"}, "video_path": None,
+            "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet", "features": features}
+    (root / "meta").mkdir(parents=True)
+    (root / "meta" / "info.json").write_text(json.dumps(info))
+    pngs = []
+    for frame in frames_TxHxWx3:
+        buffer = pa.BufferOutputStream()
+        Image.fromarray(frame).save(buffer, format="PNG")
+        pngs.append({"bytes": buffer.getvalue().to_pybytes(), "path": ""})
+    path = root / "data" / "chunk-000" / "episode_000000.parquet"
+    path.parent.mkdir(parents=True)
+    pq.write_table(pa.table({
+        "action": pa.array(np.zeros((n, 7), np.float32).tolist(), pa.list_(pa.float32())),
+        camera: pa.array(pngs, pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+        "timestamp": pa.array(np.arange(n, dtype=np.float32) / 10, pa.float32()),
+        "frame_index": pa.array(np.arange(n), pa.int64()), "episode_index": pa.array([0] * n, pa.int64()),
+        "index": pa.array(np.arange(n), pa.int64()), "task_index": pa.array([0] * n, pa.int64())}), path)
+    (root / "meta" / "episodes.jsonl").write_text(json.dumps({"episode_index": 0, "tasks": [task], "length": n}) + "\n")
+    (root / "meta" / "tasks.jsonl").write_text(json.dumps({"task_index": 0, "task": task}) + "\n")
+
+
+@pytest.mark.parametrize("processor_file", [True, False])
+def test_uint8_frames_through_the_data_path_give_transformers_features(tmp_path, processor_file):
+    """The issue's test: raw uint8 frames (40x40, so they are resized) read by the trainer's own data
+    path (LeRobotSource -> pipeline.episode_batch, config from init.vision_from_hf) and encoded by
+    jaxpar's ViT give the features transformers gives through SiglipImageProcessor (bicubic resize,
+    rescale 1/255, mean / std) + SiglipVisionModel. With the processor's preprocessor_config.json
+    (here mean / std other than SigLIP's, so that reading it matters) and without one (SigLIP's 0.5)."""
+    from jaxpar.data import pipeline
+
+    model = make_siglip(tmp_path / "siglip")
+    processor = siglip_processor()(size={"height": 16, "width": 16},
+                                   **({"image_mean": [0.4, 0.5, 0.6], "image_std": [0.2, 0.3, 0.25]}
+                                      if processor_file else {}))
+    if processor_file:
+        processor.save_pretrained(tmp_path / "siglip")
+    frames = np.random.default_rng(0).integers(0, 256, (4, 40, 40, 3), np.uint8)
+    frames[1] = np.linspace(0, 255, 40, dtype=np.uint8)[None, :, None]  # a smooth ramp too: not only noise
+    write_lerobot_pngs(tmp_path / "data", frames)
+
+    config = load_config("vla_tiny", [f"init.vision_from_hf={tmp_path / 'siglip'}", "vision.film=false",
+                                      f"data.train={tmp_path / 'data'}", "data.eval=", "data.generate=false"])
+    assert config.vision.image_mean == tuple(processor.image_mean) and config.vision.resize == "bicubic"
+    source = pipeline.make_source(config, config.data.train)
+    records = {k: np.stack([source[i][k] for i in range(len(frames))]) for k in source[0]}
+    batch = pipeline.episode_batch(config, records)
+    params = hf_siglip.load_vision(tmp_path / "siglip", config.vision)
+    ours = np.asarray(jax.jit(lambda p, x: vit.features(p, x, config.vision, Collectives()))(params, batch["images"]))
+
+    pixels = processor(images=list(frames), return_tensors="np")["pixel_values"]
+    with torch.no_grad():
+        theirs = model(pixel_values=torch.tensor(pixels)).last_hidden_state.numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=2e-5 * np.max(np.abs(theirs)))
+
+
+def test_pixel_statistics_defaults_checks_and_old_checkpoints(tmp_path):
+    """Random init keeps today's x / 255 (mean 0, std 1: the encoder leaves the pixels alone); one float
+    is every channel's; a config.json or checkpoint written before the keys existed reads as mean 0 /
+    std 1; a checkpoint trained with other statistics is refused."""
+    import json
+
+    from jaxpar.checkpoint import _model_fingerprint, fingerprint_mismatch
+    from jaxpar.config import Config, from_dict
+
+    plain = load_config("vla_tiny")
+    assert (plain.vision.image_mean, plain.vision.image_std, plain.vision.resize) == ((0.0,), (1.0,), "area")
+    assert vit.pixel_stats(plain.vision) is None
+    x = np.random.default_rng(0).random((1, 1, 16, 16, 3), np.float32)
+    assert vit.normalise(x, plain.vision) is x
+    one = load_config("vla_tiny", ["vision.image_mean=0.5", "vision.image_std=0.25"])
+    np.testing.assert_allclose(vit.normalise(x, one.vision), (x - 0.5) / 0.25, rtol=1e-6)
+    assert from_dict(Config, {"vision": {"image_mean": 0.5, "image_std": 1}}).vision.image_std == (1.0,)  # a file's
+    with pytest.raises(ConfigError, match="one value per channel"):
+        load_config("vla_tiny", ["vision.image_mean=0.5,0.5"])
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_config("vla_tiny", ["vision.image_std=0"])
+    with pytest.raises(ConfigError, match="vision.resize='cubic' is unknown"):
+        load_config("vla_tiny", ["vision.resize=cubic"])
+
+    saved = dataclasses.asdict(plain)
+    for key in ("image_mean", "image_std", "resize"):
+        del saved["vision"][key]
+    assert from_dict(Config, json.loads(json.dumps(saved))) == plain
+    meta = json.loads(json.dumps(_model_fingerprint(plain)))
+    assert fingerprint_mismatch(meta, plain) is None
+    del meta["vision"]["image_mean"], meta["vision"]["image_std"]
+    assert fingerprint_mismatch(meta, plain) is None
+    make_siglip(tmp_path)
+    siglip = load_config("vla_tiny", [f"init.vision_from_hf={tmp_path}", "vision.film=false"])
+    assert siglip.vision.image_mean == siglip.vision.image_std == (0.5, 0.5, 0.5)
+    assert "vision" in fingerprint_mismatch(meta, dataclasses.replace(plain, vision=dataclasses.replace(
+        plain.vision, image_mean=(0.5,) * 3, image_std=(0.5,) * 3)))

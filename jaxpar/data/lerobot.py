@@ -262,15 +262,23 @@ def compute_action_quantiles(directory, action_key: str = "action") -> tuple[np.
 # ----------------------------------------------------------------------------- decoding
 
 
-def resize(image: Image.Image, size: int) -> np.ndarray:
-    """uint8 [size, size, 3]: box filter (the area average) down, bilinear up, untouched at size."""
+def resize(image: Image.Image, size: int, method: str = "area") -> np.ndarray:
+    """uint8 [size, size, 3], untouched at size. `method` (vision.resize): "area" is the box filter (the
+    area average) down and bilinear up, jaxpar's choice for an encoder trained from scratch; any other
+    is that PIL filter, used both ways. An encoder from Hugging Face (init.vision_from_hf) gets its
+    image processor's filter, bicubic for SigLIP (SiglipImageProcessor resizes the uint8 image with PIL
+    BICUBIC before rescaling), so the frames it sees are resampled as the ones it was trained on."""
     if image.size != (size, size):
-        shrink = image.size[0] >= size and image.size[1] >= size
-        image = image.resize((size, size), Image.BOX if shrink else Image.BILINEAR)
+        if method == "area":
+            shrink = image.size[0] >= size and image.size[1] >= size
+            image = image.resize((size, size), Image.BOX if shrink else Image.BILINEAR)
+        else:
+            image = image.resize((size, size), Image.Resampling[method.upper()])
     return np.asarray(image.convert("RGB"), np.uint8)
 
 
-def decode_video(path: pathlib.Path, times: np.ndarray, size: int, tolerance: float) -> np.ndarray:
+def decode_video(path: pathlib.Path, times: np.ndarray, size: int, tolerance: float,
+                 method: str = "area") -> np.ndarray:
     """uint8 [len(times), size, size, 3]: the frames nearest `times` (seconds in the file), from one
     seek to the keyframe before the first and one forward decode through the last."""
     got_t, got = [], []
@@ -287,7 +295,7 @@ def decode_video(path: pathlib.Path, times: np.ndarray, size: int, tolerance: fl
                 t = float(frame.pts * time_base)
                 if t >= first - tolerance:
                     got_t.append(t)
-                    got.append(resize(frame.to_image(), size))
+                    got.append(resize(frame.to_image(), size, method))
                 if t >= last - tolerance:
                     break
     except (av.FFmpegError, IndexError, OSError) as err:
@@ -308,14 +316,15 @@ def decode_video(path: pathlib.Path, times: np.ndarray, size: int, tolerance: fl
     return np.stack([got[i] for i in nearest])
 
 
-def decode_pngs(path: pathlib.Path, key: str, episode: int, rows: slice, size: int) -> np.ndarray:
+def decode_pngs(path: pathlib.Path, key: str, episode: int, rows: slice, size: int,
+                method: str = "area") -> np.ndarray:
     """uint8 [frames, size, size, 3] from an image feature's PNG bytes (the episode's `rows`)."""
     table = read_parquet(path, [key], filters=[("episode_index", "=", episode)])
     images = []
     for value in table[key].to_pylist()[rows]:
         try:
             with Image.open(io.BytesIO(value["bytes"])) as image:
-                images.append(resize(image, size))
+                images.append(resize(image, size, method))
         except (OSError, TypeError, KeyError) as err:
             raise ConfigError(f"{path}: episode {episode}'s '{key}' is not a readable PNG ({err}); {FIX}") from None
     return np.stack(images)
@@ -361,12 +370,13 @@ class LeRobotSource:
 
     def __init__(self, directory, instruction_len: int, image_size: int, cameras: tuple[str, ...] | None = None,
                  episodes: list[int] | None = None, action_key: str = "action", *, cache_bytes: int = CACHE_BYTES,
-                 segment_frames: int | None = None):
+                 segment_frames: int | None = None, resize: str = "area"):
         self.directory = pathlib.Path(directory)
         self.info_path = self.directory / "meta" / "info.json"
         info = load_info(self.directory)
         self.version, self.fps = info["codebase_version"], float(info["fps"])
         self.instruction_len, self.image_size, self.action_key = instruction_len, image_size, action_key
+        self.resize = resize  # vision.resize: how frames are brought to image_size (see `resize`)
         self.camera_keys = select_cameras(info, cameras, self.info_path)
         self.camera_sizes = {k: camera_size(k, info["features"][k], self.info_path) for k in self.camera_keys}
         self.video_keys = [k for k in self.camera_keys if info["features"][k]["dtype"] == "video"]
@@ -477,8 +487,9 @@ class LeRobotSource:
         episode = self.episodes[slot]
         if camera in self.video_keys:
             path, start, _ = episode["videos"][camera]
-            return decode_video(path, start + self.timestamps[slot][rows], self.image_size, self.tolerance)
-        return decode_pngs(episode["data"], camera, episode["index"], rows, self.image_size)
+            return decode_video(path, start + self.timestamps[slot][rows], self.image_size, self.tolerance,
+                                self.resize)
+        return decode_pngs(episode["data"], camera, episode["index"], rows, self.image_size, self.resize)
 
     def instruction(self, task: int) -> np.ndarray:
         ids = self._instructions.get(task)

@@ -56,7 +56,8 @@ def text_batch(windows_BxL: np.ndarray) -> dict:
 
 
 def episode_batch(config: Config, records: dict, with_values: bool = False) -> dict:
-    """Stacked episode steps -> the VLA batch (images scaled to [0, 1]); `with_values` adds the
+    """Stacked episode steps -> the VLA batch (uint8 images scaled to [0, 1]; the encoder normalises
+    them with vision.image_mean / image_std, jaxpar.models.vit.normalise); `with_values` adds the
     continuous actions at the action targets for the L1 metric."""
     from jaxpar.models import vla
 
@@ -77,7 +78,7 @@ def make_source(config: Config, directory: str, split: str = "train"):
 
     if is_lerobot(directory):
         source = LeRobotSource(directory, config.actions.instruction_len, config.vision.image_size,
-                               cameras=config.data.cameras or None)
+                               cameras=config.data.cameras or None, resize=config.vision.resize)
         if config.data.eval_episodes:
             source = source.subset(held_out_split(config, source.episode_indices)[split])
     else:

@@ -8,6 +8,12 @@ several cameras each image is encoded separately and the patch tokens are concat
 Optional FiLM conditioning on the instruction (RT-1's FiLM-EfficientNet; `vision.film`): the
 instruction bytes' mean embedding gives a per-block scale and shift of every patch token, so a patch
 can mark itself as "the thing named" inside the encoder (see `film_params`).
+Pixels: the model's images are uint8 pixels scaled to [0, 1] (x / 255, the data pipeline, rollouts
+and `generate --episode` alike); `features` first normalises them per channel with vision.image_mean /
+image_std (`normalise`: SigLIP's encoder was trained on (x / 255 - 0.5) / 0.5). It is done here, in
+the encoder's forward on the device, so that every path into the model (training, evaluation,
+closed-loop rollouts, generation, every parallel layout) shares one definition and takes its
+statistics from the run's config.json, instead of each host-side caller repeating it.
 Projector: a 2-layer GELU MLP into the LLM width (LLaVA / OpenVLA). Tensor parallel in the Megatron
 layout over the vision tp axis, through the same `Collectives` hooks as the LLM, and with the same
 checkpoint_name tags, so the remat policies of jaxpar.parallel.remat mean the same for the encoder.
@@ -152,6 +158,24 @@ def param_count(cfg: VisionConfig, llm_width: int) -> int:
                                                    is_leaf=lambda x: isinstance(x, tuple)))
 
 
+def pixel_stats(cfg: VisionConfig) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(per-channel mean, std) that `normalise` applies, or None when it is the identity (mean 0, std 1)."""
+    if all(m == 0.0 for m in cfg.image_mean) and all(s == 1.0 for s in cfg.image_std):
+        return None
+    return tuple(cfg.image_mean), tuple(cfg.image_std)
+
+
+def normalise(pixels: jax.Array, cfg: VisionConfig) -> jax.Array:
+    """(pixels - vision.image_mean) / vision.image_std over the last (channel) axis, in float32, for
+    pixels in [0, 1]; the identity (pixels untouched, no op in the program) for mean 0 and std 1. The
+    same arithmetic as SiglipImageProcessor's normalize after its rescale by 1/255."""
+    stats = pixel_stats(cfg)
+    if stats is None:
+        return pixels
+    mean, std = (jnp.asarray(v, jnp.float32) for v in stats)
+    return (pixels.astype(jnp.float32) - mean) / std
+
+
 def patchify(images_BxHxWxC: jax.Array, patch: int) -> jax.Array:
     b, h, w, c = images_BxHxWxC.shape
     x = images_BxHxWxC.reshape(b, h // patch, patch, w // patch, patch, c)
@@ -191,13 +215,14 @@ def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll:
 def features(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll: Collectives,
              remat_policy: Callable | None = None, instruction_BxT: jax.Array | None = None) -> jax.Array:
     """The encoder's output before the projector: [B x cameras, patches, width] after the final
-    LayerNorm (SigLIP's last_hidden_state)."""
+    LayerNorm (SigLIP's last_hidden_state), from pixels in [0, 1] (normalised here, see `normalise`)."""
     vit = params["vit"]
     b, cams = images_BxCamxHxWxC.shape[:2]
     stem_axes = {k: v for k, v in param_axes(cfg)["vit"].items() if k != "blocks"}  # (FiLM's too)
     stem = coll.gather_weights({k: vit[k] for k in stem_axes}, stem_axes)
     dtype = stem["patch_embed"].dtype
-    images = images_BxCamxHxWxC.reshape(b * cams, *images_BxCamxHxWxC.shape[2:]).astype(dtype)
+    images = normalise(images_BxCamxHxWxC, cfg)
+    images = images.reshape(b * cams, *images.shape[2:]).astype(dtype)
     x = patchify(images, cfg.patch_size) @ stem["patch_embed"] + stem.get("patch_bias", 0.0) + stem["pos_embed"][None]
     if cfg.film:
         if instruction_BxT is None:
