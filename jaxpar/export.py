@@ -5,7 +5,10 @@
 Reads W/config.json (written by every run) and the checkpoint of step N (default: the latest), from
 whatever layout it was trained on, and writes DIR loadable with
 `transformers.LlamaForCausalLM.from_pretrained(DIR)` (jaxpar.hf_llama has the tensor mapping), with
-the run's tokenizer file when its training data was made with one. The fp32 master weights are
+the run's tokenizer file when its training data was made with one (and, from a Hugging Face tokenizer
+directory, its tokenizer_config.json / chat template), and generation_config.json's `eos_token_id`:
+every id the run ends a sequence with (run_eos_ids), which transformers' generate reads before
+config.json's. The fp32 master weights are
 exported when the run kept them (precision=bf16), else the weights.
 Only the weights are read from the checkpoint (jaxpar.checkpoint's partial restore: the optimizer
 moments stay on disk), onto one device: 4 bytes per parameter. A VLA is written as DIR/llm (Llama) and DIR/vision (a
@@ -73,6 +76,65 @@ def run_tokenizer_file(config) -> pathlib.Path | None:
     return None if spec == "byte" else pathlib.Path(spec)
 
 
+def run_tokenizer(config):
+    """The run's tokenizer, encoding as its training text was encoded (jaxpar.data.text.split_tokenizer);
+    bytes for a text run whose split holds no meta.json; None for synthetic data."""
+    from jaxpar.data.text import ByteTokenizer, split_tokenizer
+
+    if not config.data.train:
+        return None
+    return split_tokenizer(pathlib.Path(config.data.train)) or ByteTokenizer()
+
+
+def hf_eos_ids(directory) -> list[int]:
+    """A Hugging Face directory's end-of-sequence ids as transformers' generate reads them:
+    generation_config.json's `eos_token_id` when that file exists (one id or a list, e.g.
+    Llama-3-Instruct's <|end_of_text|> and <|eot_id|>), else config.json's."""
+    directory = pathlib.Path(directory)
+    for name in ("generation_config.json", "config.json"):
+        if (directory / name).is_file():
+            eos = json.loads((directory / name).read_text()).get("eos_token_id")
+            return [int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos])]
+    return []
+
+
+def run_eos_ids(config, tokenizer) -> list[int]:
+    """The ids a run's sequences end with: the end-of-document id its text was separated by, then,
+    when its text was tokenized with the tokenizer of the Hugging Face model it started from
+    (init.from_hf), that model's own ids (an Instruct model still ends its turns with them). With any
+    other tokenizer those ids would name other tokens, so they are left out."""
+    ids = [int(tokenizer.eos_id)] if getattr(tokenizer, "eos_id", None) is not None else []
+    init = pathlib.Path(config.init.llm_dir) if config.init.llm_dir else None
+    file = run_tokenizer_file(config)
+    if init is not None and file is not None and file.is_file() and (init / "tokenizer.json").is_file():
+        if file.read_bytes() == (init / "tokenizer.json").read_bytes():
+            ids += [i for i in hf_eos_ids(init) if i not in ids]
+    return ids
+
+
+def _write_tokenizer(config, out: pathlib.Path) -> None:
+    """The run's tokenizer file; from a Hugging Face tokenizer directory also the files that say how
+    transformers uses it (special tokens, chat template), so the export tokenizes as the original."""
+    tokenizer = run_tokenizer_file(config)
+    if tokenizer is None or not tokenizer.is_file():
+        return
+    shutil.copy(tokenizer, out / ("tokenizer.json" if tokenizer.suffix == ".json" else "tokenizer.model"))
+    if tokenizer.name == "tokenizer.json":
+        for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (tokenizer.parent / name).is_file():
+                shutil.copy(tokenizer.parent / name, out / name)
+
+
+def _write_eos_ids(config, out: pathlib.Path) -> None:
+    """generation_config.json's eos_token_id (one id, or the list): where transformers' generate stops."""
+    file = run_tokenizer_file(config)  # a tokenizer file moved away since training: nothing to read ids from
+    eos = run_eos_ids(config, run_tokenizer(config) if file is None or file.is_file() else None)
+    if eos:
+        path = out / "generation_config.json"
+        generation = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps({**generation, "eos_token_id": eos[0] if len(eos) == 1 else eos}, indent=2))
+
+
 def run(argv: list[str]) -> int:
     parser = OneLineArgumentParser(prog="python -m jaxpar.export", usage_hint="--workdir W --out DIR [--step N]")
     parser.add_argument("--workdir", required=True)
@@ -91,9 +153,8 @@ def run(argv: list[str]) -> int:
         out = out / "llm"
     llm = {k: v for k, v in weights.items() if k not in ("vit", "projector")}
     out = hf_llama.write(llm, config.model, out)
-    tokenizer = run_tokenizer_file(config)
-    if tokenizer is not None and tokenizer.is_file():
-        shutil.copy(tokenizer, out / ("tokenizer.json" if tokenizer.suffix == ".json" else "tokenizer.model"))
+    _write_tokenizer(config, out)
+    _write_eos_ids(config, out)
     print(f"wrote step {step} of {workdir} to {out}")
     return 0
 

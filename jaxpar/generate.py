@@ -1,16 +1,31 @@
 """Generate text with a trained run or a Hugging Face Llama, tensor parallel over N devices; or a VLA
 run's action for one step of an episode.
 
-    python -m jaxpar.generate (--workdir W [--checkpoint_step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3)
-        [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S] [--tp N] [--json]
+    python -m jaxpar.generate (--workdir W [--checkpoint_step N] | --from_hf DIR)
+        (--prompt TEXT [--chat] | --prompt_ids 1,2,3) [--max_new_tokens N] [--temperature T] [--top_p P]
+        [--seed S] [--tp N] [--json]
     python -m jaxpar.generate --workdir VLA_RUN --episode episode_00000.npz --step K [--json]
 
 The prompt is run through the model once (prefill, filling the KV cache), then one token per step
 (jaxpar.models.decode). Temperature 0 is greedy; otherwise the logits are divided by the
 temperature and sampled from the smallest set of tokens whose probability reaches top_p (nucleus).
-Generation stops at the end-of-sequence token when the model has one. With --tp N the weights,
-KV cache and heads are split over N devices exactly as in training (emulated on CPU). --prompt
-needs a tokenizer: the run's (from its training data) or DIR/tokenizer.json.
+With --tp N the weights, KV cache and heads are split over N devices exactly as in training
+(emulated on CPU).
+
+--prompt needs a tokenizer: the run's (from its training data) or DIR/tokenizer.json, and is encoded
+as the tokenizer means it, special tokens included: a Llama tokenizer.json's template puts BOS first,
+as transformers' `tokenizer(TEXT)` does, and a model continues a prompt without its BOS differently.
+A run encodes prompts as its training text was encoded (jaxpar.data.text). --chat wraps the prompt
+as one user message in the tokenizer's chat template (DIR/chat_template.jinja, or
+tokenizer_config.json's `chat_template`) with the assistant's turn opened, as transformers'
+`apply_chat_template(messages, add_generation_prompt=True)` does; the template writes the special
+tokens itself, so the rendered text is encoded without the tokenizer's own.
+
+Generation stops at any end-of-sequence id, read as transformers' generate reads them:
+DIR/generation_config.json's `eos_token_id` (one id or a list: Llama-3-Instruct ends its turns with
+<|eot_id|>, not its first id <|end_of_text|>), else config.json's; for a run, its text's
+end-of-document id and, when it kept its Hugging Face model's tokenizer, that model's ids
+(jaxpar.export.run_eos_ids, which the export writes to generation_config.json).
 """
 
 from __future__ import annotations
@@ -22,7 +37,8 @@ import sys
 from jaxpar.cli import OneLineArgumentParser, main_with_one_line_errors
 from jaxpar.errors import ConfigError
 
-USAGE = ("(--workdir W [--checkpoint_step N] | --from_hf DIR) (--prompt TEXT | --prompt_ids 1,2,3 | --episode FILE --step K) "
+USAGE = ("(--workdir W [--checkpoint_step N] | --from_hf DIR) "
+         "(--prompt TEXT [--chat] | --prompt_ids 1,2,3 | --episode FILE --step K) "
          "[--max_new_tokens N] [--temperature T] [--top_p P] [--seed S] [--tp N] [--json]")
 
 
@@ -36,6 +52,7 @@ def parse_args(argv: list[str]):
     prompt.add_argument("--prompt_ids")
     prompt.add_argument("--episode")  # a VLA run: predict the action of --step K of this episode file
     parser.add_argument("--step", type=int, default=0)  # the episode step whose action --episode predicts
+    parser.add_argument("--chat", action="store_true")  # --prompt as a user message in the chat template
     parser.add_argument("--checkpoint_step", type=int, default=None)  # default: the latest checkpoint
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -46,36 +63,30 @@ def parse_args(argv: list[str]):
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.tp < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ConfigError("--max_new_tokens and --tp must be >= 1, --temperature >= 0 and 0 < --top_p <= 1")
+    if args.chat and args.prompt is None:
+        raise ConfigError("--chat wraps --prompt TEXT in the chat template; it does not apply to --prompt_ids "
+                          "or --episode")
     return args
 
 
 def _tokenizer(args, config):
-    """An object with encode / decode, or None when there is none to use."""
-    from jaxpar.data.text import ByteTokenizer, HFTokenizer, load_tokenizer
+    """An object with encode / decode, or None when there is none to use. DIR/tokenizer.json encodes
+    with its template (BOS), as transformers does; a run's, as its training text was encoded."""
+    from jaxpar.data.text import HFTokenizer
+    from jaxpar.export import run_tokenizer
 
     if args.from_hf:
         path = pathlib.Path(args.from_hf) / "tokenizer.json"
-        if not path.is_file():
-            return None
-        import tokenizers
-
-        tok = object.__new__(HFTokenizer)
-        tok.name, tok.model = str(path), tokenizers.Tokenizer.from_file(str(path))
-        return tok
-    from jaxpar.export import run_tokenizer_file
-
-    path = run_tokenizer_file(config)
-    if path is not None:
-        return load_tokenizer(str(path))
-    return ByteTokenizer() if config.data.train else None
+        return HFTokenizer(path, special_tokens=True, need_eos=False) if path.is_file() else None
+    return run_tokenizer(config)
 
 
-def _eos(args, config, tokenizer) -> int | None:
-    if args.from_hf:
-        hf = json.loads((pathlib.Path(args.from_hf) / "config.json").read_text())
-        eos = hf.get("eos_token_id")
-        return eos[0] if isinstance(eos, list) else eos
-    return getattr(tokenizer, "eos_id", None)
+def _eos(args, config, tokenizer) -> list[int]:
+    """Every id generation stops at: a Hugging Face directory's as transformers reads them, a run's
+    (jaxpar.export.run_eos_ids)."""
+    from jaxpar.export import hf_eos_ids, run_eos_ids
+
+    return hf_eos_ids(args.from_hf) if args.from_hf else run_eos_ids(config, tokenizer)
 
 
 def _prompt_ids(args, tokenizer, vocab_size: int) -> list[int]:
@@ -87,11 +98,67 @@ def _prompt_ids(args, tokenizer, vocab_size: int) -> list[int]:
     elif tokenizer is None:
         raise ConfigError("--prompt needs a tokenizer and this model has none (no tokenizer.json, or a run on "
                           "synthetic data); pass --prompt_ids instead")
+    elif args.chat:
+        ids = [int(i) for i in tokenizer.encode(chat_prompt(tokenizer, args.prompt), special_tokens=False)]
     else:
         ids = [int(i) for i in tokenizer.encode(args.prompt)]
     if not ids or min(ids) < 0 or max(ids) >= vocab_size:
         raise ConfigError(f"the prompt must be at least one id in [0, {vocab_size}); got {ids[:8]}")
     return ids
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def chat_template(directory: pathlib.Path) -> tuple[str | None, dict]:
+    """(the chat template, the named special tokens it may use) of a tokenizer directory, where
+    transformers looks: chat_template.jinja first, then tokenizer_config.json's `chat_template` (a
+    string, or a list of named templates whose "default" is used)."""
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    specials = {}
+    for key in SPECIAL_TOKENS:
+        value = config.get(key)
+        if value is not None:
+            specials[key] = value["content"] if isinstance(value, dict) else str(value)
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8"), specials
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template, specials
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """`text` as one user message rendered by the tokenizer's chat template with the assistant's turn
+    opened: transformers' apply_chat_template(add_generation_prompt=True), in the same sandboxed Jinja
+    environment (trim_blocks, lstrip_blocks, its tojson / raise_exception / strftime_now)."""
+    from jaxpar.data.text import HFTokenizer
+
+    directory = pathlib.Path(tokenizer.name).parent
+    template, specials = chat_template(directory) if isinstance(tokenizer, HFTokenizer) else (None, {})
+    if not template:
+        raise ConfigError(f"--chat: {directory if isinstance(tokenizer, HFTokenizer) else tokenizer.name} has no "
+                          f"chat template (chat_template.jinja or tokenizer_config.json's chat_template); drop --chat")
+    try:
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ConfigError("--chat renders the chat template with Jinja: pip install jinja2") from None
+    import datetime
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.datetime.now().strftime(f))
+    try:
+        return env.from_string(template).render(messages=[{"role": "user", "content": text}], tools=None,
+                                                documents=None, add_generation_prompt=True, **specials)
+    except jinja2.exceptions.TemplateError as error:
+        raise ConfigError(f"--chat: {directory}'s chat template failed: {error}") from None
 
 
 def load(args):
@@ -142,8 +209,9 @@ def weight_shardings(mesh, model):
 
 
 def generate(model, weights, mesh, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> list[int]:
-    """The new token ids (one sequence), stopping after `max_new_tokens` or at `eos_id`."""
+             top_p: float = 1.0, seed: int = 0, eos_id: int | list[int] | None = None) -> list[int]:
+    """The new token ids (one sequence), stopping after `max_new_tokens` or at `eos_id` (one id, or
+    any of several: a model may end a sequence with more than one token)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -168,13 +236,14 @@ def generate(model, weights, mesh, prompt_ids: list[int], max_new_tokens: int, t
                                  out_specs=(P(None, "tp"), cache_spec)), donate_argnums=2)
     cache = jax.jit(lambda: decode.init_cache(model, 1, max_len, local_kv * tp),
                     out_shardings=jax.tree.map(lambda s: jax.NamedSharding(mesh, s), cache_spec))()
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     key = jax.random.key(seed)
     ids, start, new = jnp.asarray([prompt_ids], jnp.int32), 0, []
     for i in range(max_new_tokens):
         logits, cache = step(weights, ids, cache, jnp.int32(start))
         token = int(_sample(logits[0], temperature, top_p, jax.random.fold_in(key, i)))
         new.append(token)
-        if token == eos_id:
+        if token in stop:
             break
         start += ids.shape[1]
         ids = jnp.asarray([[token]], jnp.int32)

@@ -201,7 +201,13 @@ def _episode_length(path: pathlib.Path, reference: dict | None) -> tuple[int, di
 
 
 def instruction_bytes(instruction: str, length: int, where: pathlib.Path | str) -> np.ndarray:
-    """The instruction as UTF-8 bytes, 0-padded to `length`; too long is an error naming `where`."""
+    """The instruction as UTF-8 bytes, 0-padded to `length`; too long is an error naming `where`.
+
+    Bytes, not a tokenizer's ids, also when the VLA's LLM comes from Hugging Face (init.llm_from_hf):
+    training, rollouts and `generate --episode` all read this one function, so they agree; no BOS
+    or template is added because no tokenizer is involved. Moving a pretrained LLM's instruction to
+    its own tokenizer would change the episode and LeRobot batch formats (uint8, instruction_len in
+    bytes) and FiLM's 256-row table, not one call."""
     text = instruction.encode()
     if len(text) > length:
         raise ConfigError(f"{where}: instruction '{instruction}' is {len(text)} bytes, longer than "

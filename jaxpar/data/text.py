@@ -8,6 +8,14 @@ consecutive non-overlapping windows of seq_len + 1 tokens within a shard (GPT-st
 
 Tokenizers: `byte` (UTF-8 bytes 0-255, EOS 256, PAD 257: vocabulary 258, nothing to download), or a
 local model file: `*.model` for sentencepiece, `*.json` for Hugging Face `tokenizers`.
+
+Special tokens: a `tokenizers` file encodes with its own post-processor, so a Llama tokenizer.json puts
+BOS (`<s>`, `<|begin_of_text|>`) before every document, as the model was pretrained and as transformers'
+`tokenizer(text)` and jaxpar.generate's prompts do; EOS is appended unless the template already
+ended the document with it. meta.json's `special_tokens` says which way a split was encoded (absent:
+shards written before it was recorded, encoded without), so generation from a run encodes its prompts
+as its training text was. A sentencepiece `.model` carries no template (the library adds nothing by
+default) and is encoded as it is; for a Hugging Face model, prepare its text with its tokenizer.json.
 """
 
 from __future__ import annotations
@@ -54,27 +62,39 @@ class SentencePieceTokenizer:
         return self.model.decode([int(i) for i in ids])
 
 
+END_OF_DOCUMENT = ("</s>", "<|end_of_text|>", "<|endoftext|>", "[SEP]", "<eos>")  # <|end_of_text|>: Llama 3
+
+
 class HFTokenizer:
-    def __init__(self, path: pathlib.Path):
+    """A Hugging Face `tokenizers` file. `special_tokens` (default): encode() runs the file's
+    post-processor (a Llama's BOS), as transformers' `tokenizer(text)` does, so text means to the
+    model what it meant in pretraining; False: the bare pieces (chat templates, which write the
+    special tokens themselves, and shards written before meta.json recorded `special_tokens`).
+    `need_eos`: training data needs an end-of-document id to separate documents; generation does
+    not (it reads its stop ids from the model's generation_config.json / config.json)."""
+
+    def __init__(self, path: pathlib.Path, special_tokens: bool = True, need_eos: bool = True):
         import tokenizers
 
         self.name, self.model = str(path), tokenizers.Tokenizer.from_file(str(path))
-        self.vocab_size = self.model.get_vocab_size()
-        specials = [self.model.token_to_id(t) for t in ("</s>", "<|endoftext|>", "[SEP]", "<eos>")]
+        self.vocab_size, self.special_tokens = self.model.get_vocab_size(), special_tokens
+        specials = [self.model.token_to_id(t) for t in END_OF_DOCUMENT]
         self.eos_id = next((i for i in specials if i is not None), None)
-        if self.eos_id is None:
-            raise ConfigError(f"{path} has none of the end-of-document tokens </s>, <|endoftext|>, [SEP], <eos>; "
+        if self.eos_id is None and need_eos:
+            raise ConfigError(f"{path} has none of the end-of-document tokens {', '.join(END_OF_DOCUMENT)}; "
                               f"add one to the tokenizer so documents can be separated")
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.model.encode(text, add_special_tokens=False).ids, np.int64)
+    def encode(self, text: str, special_tokens: bool | None = None) -> np.ndarray:
+        special = self.special_tokens if special_tokens is None else special_tokens
+        return np.asarray(self.model.encode(text, add_special_tokens=special).ids, np.int64)
 
     def decode(self, ids) -> str:
         return self.model.decode([int(i) for i in ids])
 
 
-def load_tokenizer(spec: str):
-    """'byte', or a local sentencepiece (.model) / Hugging Face tokenizers (.json) file."""
+def load_tokenizer(spec: str, special_tokens: bool = True):
+    """'byte', or a local sentencepiece (.model) / Hugging Face tokenizers (.json) file;
+    `special_tokens`: whether a tokenizers file's template (BOS) is applied (HFTokenizer)."""
     if spec == "byte":
         return ByteTokenizer()
     path = pathlib.Path(spec)
@@ -87,7 +107,7 @@ def load_tokenizer(spec: str):
                           f"tokenizers .json file")
     cls, package = kinds[path.suffix]
     try:
-        return cls(path)
+        return cls(path, special_tokens) if cls is HFTokenizer else cls(path)
     except ImportError:
         raise ConfigError(f"tokenizer {path} needs the '{package}' package: pip install {package}") from None
 
@@ -113,7 +133,10 @@ class ShardWriter:
             old.unlink(missing_ok=True)
 
     def add(self, text: str) -> None:
-        ids = np.append(self.tokenizer.encode(text), self.tokenizer.eos_id).astype(self.dtype)
+        ids = self.tokenizer.encode(text)  # with the tokenizer's template (a Llama's BOS): see the module docstring
+        if not len(ids) or ids[-1] != self.tokenizer.eos_id:
+            ids = np.append(ids, self.tokenizer.eos_id)
+        ids = ids.astype(self.dtype)
         self.buffer.append(ids)
         self.buffered += len(ids)
         self.tokens, self.bytes, self.files = self.tokens + len(ids), self.bytes + len(text.encode()), self.files + 1
@@ -128,7 +151,8 @@ class ShardWriter:
     def close(self, **extra) -> dict:
         self._flush()
         meta = {"format": "jaxpar-tokens-v1", "tokenizer": self.tokenizer.name,
-                "vocab_size": self.tokenizer.vocab_size, "eos_id": self.tokenizer.eos_id, "files": self.files,
+                "vocab_size": self.tokenizer.vocab_size, "eos_id": self.tokenizer.eos_id,
+                "special_tokens": bool(getattr(self.tokenizer, "special_tokens", False)), "files": self.files,
                 "bytes": self.bytes, "tokens": self.tokens, "shards": self.shards, **extra}
         (self.directory / META).write_text(json.dumps(meta, indent=1))
         return meta
@@ -181,6 +205,17 @@ def read_meta(directory: pathlib.Path) -> dict:
     if meta.get("format") != "jaxpar-tokens-v1":
         raise ConfigError(f"{path}: format {meta.get('format')!r} is not jaxpar-tokens-v1; re-run scripts/prepare_text.py")
     return meta
+
+
+def split_tokenizer(directory: pathlib.Path):
+    """The tokenizer a split's shards were made with, encoding as they were encoded (meta.json's
+    `special_tokens`; absent: written before it was recorded, without), so a prompt means to a run
+    what its training text did. None when the directory holds no meta.json."""
+    path = pathlib.Path(directory) / META
+    if not path.is_file():
+        return None
+    meta = json.loads(path.read_text())
+    return load_tokenizer(meta.get("tokenizer", "byte"), bool(meta.get("special_tokens", False)))
 
 
 def load_shards(directory: pathlib.Path) -> list[np.ndarray]:
