@@ -201,9 +201,9 @@ def weight_shardings(mesh, model):
     from jax.sharding import NamedSharding
 
     from jaxpar.models import llama
-    from jaxpar.sharding import is_axes_leaf, kv_heads_replicated, llm_rules, logical_to_spec, unused_mesh_axes
+    from jaxpar.sharding import is_axes_leaf, llm_rules, logical_to_spec, unused_mesh_axes
 
-    rules = llm_rules(mesh, kv_heads_replicated(model.n_kv_heads, mesh.shape["tp"]))
+    rules = llm_rules(mesh, model.n_kv_heads)  # an unsplit tp: KV heads whole on every rank when tp > K
     return jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_spec(axes, False, unused_mesh_axes(mesh), rules)),
                         llama.param_axes(), is_leaf=is_axes_leaf)
 

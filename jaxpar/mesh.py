@@ -29,7 +29,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.errors import ConfigError
-from jaxpar.sharding import TP_INNER
+from jaxpar.sharding import TP_INNER, tp_split
 
 AXES = ("dp", "pp", "tp")
 
@@ -39,9 +39,12 @@ AXES = ("dp", "pp", "tp")
 class Layout:
     """The parallel layout of the global mesh.
 
-    `tp_split` > 1 (a VLA whose vision.tp is a proper divisor of tp) splits the tp axis into
-    ("tp", "tpv") of sizes (tp / tp_split, tp_split): the LLM is tensor-parallel over both, the
-    vision encoder over "tpv" only, data-parallel over the rest. Same devices, same order.
+    `tp_split` > 1 splits the tp axis into ("tp", "tpv") of sizes (tp / tp_split, tp_split), same
+    devices, same order; the LLM is tensor-parallel over both. Two reasons: a VLA whose vision.tp is a
+    proper divisor of tp (the encoder is tensor-parallel over "tpv" only, data-parallel over the rest),
+    and more tp ranks than KV heads (tp_split = tp / n_kv_heads: each KV head on its outer "tp" index,
+    replicated over "tpv"; jaxpar.sharding.kv_head_ways). The vision split wins when both apply
+    and differ; the KV heads are then held whole on every rank.
     """
 
     dp: int = 1
@@ -53,7 +56,7 @@ class Layout:
     def for_config(cls, config) -> "Layout":
         """The layout a whole config needs (a VLA's vision tp may split the tp axis)."""
         vision_tp = config.vision.tp if config.model.kind == "vla" else 1
-        split = vision_tp if 1 < vision_tp < config.mesh.tp else 1
+        split = tp_split(config.mesh.tp, config.model.n_kv_heads, vision_tp)
         return cls(dp=config.mesh.dp, pp=config.mesh.pp, tp=config.mesh.tp, tp_split=split)
 
     @property

@@ -49,19 +49,46 @@ def tensor_axes(mesh) -> str | tuple[str, ...]:
 
 
 def kv_heads_replicated(n_kv_heads: int, tp: int) -> bool:
-    """More tp ranks than KV heads (Llama-3-70B: 8 KV heads, tp = 16): the KV projections are
-    replicated over tp and each rank uses the one KV head its query heads share (Megatron, MaxText)."""
+    """More tp ranks than KV heads (Llama-3-70B: 8 KV heads, tp = 16): several tp ranks attend with the
+    same KV head (Megatron, MaxText)."""
     return tp > n_kv_heads
 
 
-def llm_rules(mesh, replicate_kv_heads: bool = False) -> Rules:
+def kv_head_ways(n_kv_heads: int, tp: int, tp_split: int = 1) -> int:
+    """Over how many ranks the KV heads are split. tp when it divides them. With more tp ranks than KV
+    heads, Megatron's layout: tp is split into ("tp", "tpv") of sizes (n_kv_heads, tp / n_kv_heads)
+    (jaxpar.mesh.Layout), each KV head lives on the outer "tp" index its query heads have and is
+    replicated over "tpv", so a rank holds one KV head and its gradient is summed over the tp / K ranks
+    sharing it only. 1 (every rank holds every KV head, sliced at use: Collectives.local_kv_heads) when
+    the tp axis is split otherwise, for a VLA's vision tp."""
+    if not kv_heads_replicated(n_kv_heads, tp):
+        return tp
+    return n_kv_heads if tp_split > 1 and tp // tp_split == n_kv_heads else 1
+
+
+def tp_split(tp: int, n_kv_heads: int, vision_tp: int = 1) -> int:
+    """The size of the inner "tpv" part of a split tp axis (1: not split), jaxpar.mesh.Layout: a VLA's
+    vision tp when it is a proper divisor of tp, else tp / n_kv_heads when there are fewer KV heads
+    than tp ranks (kv_head_ways)."""
+    if 1 < vision_tp < tp:
+        return vision_tp
+    return tp // n_kv_heads if kv_heads_replicated(n_kv_heads, tp) and tp % n_kv_heads == 0 else 1
+
+
+def tp_split_of(mesh) -> int:
+    return mesh.shape.get(TP_INNER, 1)
+
+
+def llm_rules(mesh, n_kv_heads: int | None = None) -> Rules:
     """The LLM's table on this mesh. With a pipeline the vocabulary goes over pp x tp (pp outer): the
     embedding and LM head are spread over the stages instead of replicated on each (jaxpar.parallel.pipeline).
-    `replicate_kv_heads`: the KV heads are not split over tp (kv_heads_replicated)."""
+    `n_kv_heads`: the KV heads go over the tp ranks kv_head_ways gives (None: over all of tp)."""
     tp = tensor_axes(mesh)
     table = {name: (tp if axis == "tp" else axis) for name, axis in RULES.items()}
-    if replicate_kv_heads:
-        table["kv_heads"] = None
+    if n_kv_heads is not None:
+        tp_size = mesh.shape["tp"] * tp_split_of(mesh)
+        ways = kv_head_ways(n_kv_heads, tp_size, tp_split_of(mesh))
+        table["kv_heads"] = tp if ways == tp_size else "tp" if ways > 1 else None
     if mesh.shape.get("pp", 1) > 1:
         table["vocab"] = ("pp",) + (tp if isinstance(tp, tuple) else (tp,))
     return Rules(table)
@@ -69,13 +96,15 @@ def llm_rules(mesh, replicate_kv_heads: bool = False) -> Rules:
 
 def vision_rules(vision_tp: int, mesh) -> Rules:
     """The VLA's vision encoder + projector: Megatron layout on the axes of its own tp (all of tp,
-    its inner part "tpv", or none), ZeRO over every mesh axis that splits the images."""
+    its inner part "tpv", or none), ZeRO over every mesh axis that splits the images. (The tp axis may
+    be split for the vision tp or for the LLM's KV heads, kv_head_ways.)"""
+    tp_axes = (("tp", TP_INNER) if TP_INNER in mesh.shape else ("tp",))
     if vision_tp <= 1:
-        tp, data = None, ("dp", "pp", "tp")
-    elif TP_INNER in mesh.shape:
+        tp, data = None, ("dp", "pp") + tp_axes
+    elif TP_INNER in mesh.shape and vision_tp == mesh.shape[TP_INNER]:
         tp, data = TP_INNER, ("dp", "pp", "tp")
     else:
-        tp, data = "tp", ("dp", "pp")
+        tp, data = tensor_axes(mesh), ("dp", "pp")
     table = {"vit_embed": None, "vit_heads": tp, "vit_mlp": tp, "vit_layers": None, "patch": None,
              "patches": None, "proj_mlp": None, "head_dim": None, "embed": None, "bytes": None,
              "film_out": None}

@@ -46,7 +46,7 @@ from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
 from jaxpar.parallel.zero import StateSpecs, ZeroPlan, reduce_gradients
-from jaxpar.sharding import DP, kv_heads_replicated, llm_rules, tensor_axes, zero_dim
+from jaxpar.sharding import DP, kv_head_ways, kv_heads_replicated, llm_rules, tensor_axes, tp_split_of, zero_dim
 
 
 HOST = "pinned_host"  # memory kind of offloaded optimizer state
@@ -102,8 +102,9 @@ class StepBuilder:
         self.mesh = mesh
         self.stage = config.zero.stage
         self.axes = llama.param_axes()  # the LLM's; the vision component keeps its own
-        self.replicates_kv = kv_heads_replicated(config.model.n_kv_heads, config.mesh.tp)
-        self.specs_rules = llm_rules(mesh, self.replicates_kv)
+        ways = kv_head_ways(config.model.n_kv_heads, config.mesh.tp, tp_split_of(mesh))
+        self.replicates_kv = ways == 1 and kv_heads_replicated(config.model.n_kv_heads, config.mesh.tp)
+        self.specs_rules = llm_rules(mesh, config.model.n_kv_heads)
         self.specs = StateSpecs(self.axes, self.stage, mesh, self.specs_rules)
         self.vision = VisionComponent(config, mesh) if config.model.kind == "vla" else None
         if self.vision is not None:

@@ -27,7 +27,7 @@ from jaxpar.models import llama, vit, vla
 from jaxpar.parallel import schedule as schedules
 from jaxpar.parallel.zero import ZeroPlan
 from jaxpar.planner import kernels
-from jaxpar.sharding import RULES, kv_heads_replicated
+from jaxpar.sharding import RULES, kv_head_ways, tp_split
 
 SAVE_LINEAR = ("selective", "offload", "dots", "none")  # policies that keep the linear-layer outputs
 
@@ -58,8 +58,8 @@ def local_params(config: Config) -> dict[str, int]:
     sizes = {"tp": mesh.tp, "pp": mesh.pp}
     llm_div = {axis: sizes[rule] for axis, rule in RULES.items() if rule in sizes}
     llm_div["vocab"] = mesh.pp * mesh.tp
-    if kv_heads_replicated(config.model.n_kv_heads, mesh.tp):  # every rank holds all KV heads
-        llm_div["kv_heads"] = 1
+    n_kv, vision_tp = config.model.n_kv_heads, config.vision.tp if config.model.kind == "vla" else 1
+    llm_div["kv_heads"] = kv_head_ways(n_kv, mesh.tp, tp_split(mesh.tp, n_kv, vision_tp))
     shapes, axes = llama.param_shapes(config.model), llama.param_axes()
     out = {"llm_layers": _local_count({"layers": shapes["layers"]}, axes, llm_div),
            "llm_rest": _local_count({k: v for k, v in shapes.items() if k != "layers"}, axes, llm_div),
