@@ -140,9 +140,10 @@ def builder(config):
     return StepBuilder(config, Layout.for_config(config).make_mesh())
 
 
-def run(config, steps=3):
+def run(config, steps=3, single=None):
+    """`steps` train steps from the single-device model's initial state (`single`: SINGLE's config)."""
     b = builder(config)
-    state = jax.device_put(reference_state(), b.state_shardings())
+    state = jax.device_put(reference_state(single or SINGLE), b.state_shardings())
     step = b.jit_train_step(with_grads=True)
     losses, grads0 = [], None
     for i in range(steps):
@@ -158,13 +159,13 @@ SINGLE = with_values(BASE, mesh=dict(dp=1, pp=1, tp=1), pipeline=dict(microbatch
 
 
 @functools.lru_cache(maxsize=None)
-def reference_state():
-    return jax.device_get(builder(SINGLE).init_state(0))
+def reference_state(single=SINGLE):
+    return jax.device_get(builder(single).init_state(0))
 
 
 @functools.lru_cache(maxsize=None)
-def reference():
-    return run(SINGLE)
+def reference(single=SINGLE):
+    return run(single, single=single)
 
 
 # (2,2,2) 1F1B with vision tp 1 and 2 are `slow`: `make test` trains that layout in
@@ -195,6 +196,30 @@ def test_vla_matches_single_device(mesh, schedule, vision_tp):
     assert mu.shape[1] == BASE.vision.width // data_ways
     layers_wq = state.params["layers"]["wq"]  # the LLM keeps its full tp over the (possibly split) axis
     assert {s.data.shape[2] for s in layers_wq.addressable_shards} == {layers_wq.shape[2] // mesh[2]}
+
+
+@pytest.mark.parametrize("mesh,vision_tp", [((2, 1, 4), 1), pytest.param((1, 2, 4), 4, marks=pytest.mark.slow)])
+def test_vla_with_fewer_kv_heads_than_tp_matches_single_device(mesh, vision_tp):
+    """tp 4 over 2 KV heads splits the tp axis into ("tp", "tpv") = (2, 2) for the LLM's KV heads
+    (jaxpar.sharding.kv_head_ways); the encoder is then data-parallel over both parts (vision tp 1) or
+    tensor-parallel over both (vision tp 4)."""
+    single = with_values(SINGLE, model=dict(n_kv_heads=2))
+    ref_losses, ref_grads, _ = reference(single)
+    pipe = dict(schedule="1f1b") if mesh[1] > 1 else dict(microbatches=1)
+    config = with_values(BASE, mesh=dict(dp=mesh[0], pp=mesh[1], tp=mesh[2]), vision=dict(tp=vision_tp),
+                         pipeline=pipe, model=dict(n_kv_heads=2))
+    losses, grads, state = run(config, single=single)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+    def check(path, a, e):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * np.max(np.abs(e)), err_msg=jax.tree_util.keystr(path))
+    jax.tree_util.tree_map_with_path(check, grads, ref_grads)
+    wk = state.params["layers"]["wk"]  # [layers, embed, kv_heads, head_dim]: one KV head per rank
+    assert {s.data.shape[2] for s in wk.addressable_shards} == {1}
+    wq = state.params["vit"]["blocks"]["wq"]
+    assert {s.data.shape[2] for s in wq.addressable_shards} == {wq.shape[2] // vision_tp}
+    mu = state.opt_state[1][0].mu["vit"]["blocks"]["w_in"].addressable_shards[0].data  # [depth, width, mlp]
+    assert mu.shape[1] == BASE.vision.width // (8 // vision_tp)  # images and ZeRO-2 over every other device
 
 
 VLA_MISTAKES = {
