@@ -147,6 +147,7 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None) -> dict:
             "gathers are not there yet)",
             "model_flops_per_device: 6N + attention FLOPs of one step (jaxpar.metrics) / devices; "
             "executed_flops_per_device: dot and convolution FLOPs of the compiled program on one device, "
+            "plus cuDNN attention's matmuls (forward 4 b h s s d, backward 2.5x, causal half; jaxpar.hlo.fmha_flops), "
             "loops x trip count, a conditional's costliest branch (jaxpar.hlo.executed_flops)",
             "bubble_fraction: idle share of the pipeline schedule table's executed slots (0 without pp)",
         ],
@@ -162,12 +163,16 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None) -> dict:
 
 def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
     """What only a GPU program says: the target, whether the step fits its HBM, and the library
-    kernels it calls (cuDNN attention is taken only if the program has its custom calls)."""
+    kernels it calls (cuDNN attention is taken only if the program has its custom calls; its forward
+    calls are one per layer and microbatch, two where remat re-runs it in the backward)."""
     calls = hlo.custom_call_counts(text)
-    cudnn = sum(n for target, n in calls.items() if target.startswith("__cudnn$fmha"))
+    fmha = {target: n for target, n in calls.items() if target.startswith("__cudnn$fmha")}
+    cudnn = sum(fmha.values())
+    backward = sum(n for target, n in fmha.items() if "Backward" in target)
     gemms = sum(n for target, n in calls.items() if target.startswith("__cublas$"))
     return {"target": gpu.name, "hbm_bytes": gpu.memory_bytes, "fits": per_device["peak"] <= gpu.memory_bytes,
             "kernels": {"attention": "cudnn" if cudnn else "xla", "cudnn_attention_calls": cudnn,
+                        "cudnn_attention_forward_calls": cudnn - backward, "cudnn_attention_backward_calls": backward,
                         "gemm_calls": gemms}}
 
 
@@ -227,7 +232,8 @@ def gpu_text(report: dict) -> list[str]:
     peak = b(report["per_device_bytes"]["peak"])
     est, plan = report["estimate"], report["planner"]
     return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak}; planner {b(plan['peak_bytes'])})",
-            f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls), "
+            f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls: "
+            f"{k['cudnn_attention_forward_calls']} forward, {k['cudnn_attention_backward_calls']} backward), "
             f"{k['gemm_calls']} cuBLAS GEMM calls",
             f"estimated step (XLA's schedule, no device): {est['step_s']:.4g} s, MFU {est['mfu']:.1%}; compute "
             f"{est['compute_s']:.4g} s, exposed communication {est['exposed_comm_s']:.4g} s "

@@ -12,10 +12,10 @@ The model:
   wrapping one) run one after another on one communication stream, host copies (`copy-start`) on
   their own.
 - A kernel (fusion, library call, copy, ...) costs max(FLOPs / (peak x MATMUL_EFFICIENCY), bytes /
-  HBM bandwidth) + KERNEL_LAUNCH_S. FLOPs: dots and convolutions inside it (jaxpar.hlo), cuBLAS GEMMs,
-  cuDNN flash attention (4 b h sq sk d forward, 2.5 times that backward, which recomputes the scores;
-  half with a causal mask, whose masked blocks the kernel skips). Bytes: operands read plus results
-  written; a fusion operand it only slices counts its slices, and the buffer a dynamic-update-slice
+  HBM bandwidth) + KERNEL_LAUNCH_S. FLOPs (jaxpar.hlo's): dots and convolutions inside it, cuBLAS
+  GEMMs, cuDNN flash attention (hlo.fmha_flops: 4 b h sq sk d forward, 2.5 times that backward, which
+  recomputes the scores; half with a causal mask, whose masked blocks the kernel skips). Bytes: operands
+  read plus results written; a fusion operand it only slices counts its slices, and the buffer a dynamic-update-slice
   writes in place counts the update alone (a layer scan reads one layer of its stacked weights).
 - A collective costs COLLECTIVE_LATENCY_S plus its ring time over the link its groups cross, with the
   planner's figures (jaxpar.planner.cost.link_bandwidth: NVLink inside a node, the node's NICs shared
@@ -176,15 +176,13 @@ class _Walker:
     def kernel_cost(self, ins: dict, instrs: dict) -> tuple[float, float]:
         """(FLOPs, HBM bytes) of one kernel."""
         op = ins["op"]
-        target = re.search(r'custom_call_target="([^"]+)"', ins["attrs"]) if op == "custom-call" else None
         if op == "fusion":
             callee = re.search(r"calls=%?([\w.\-]+)", ins["attrs"]).group(1)
             counted = hlo._comp_flops(self.comps, callee, self.flops_memo)
-            return counted["dot"] + counted["convolution"], self._fusion_bytes(ins, instrs, callee)
+            flops = counted["dot"] + counted["convolution"] + counted["attention"]
+            return flops, self._fusion_bytes(ins, instrs, callee)
         nbytes = sum(_nbytes(instrs[a]["shape"]) for a in ins["args"] if a in instrs) + _result_bytes(ins["shape"])
-        if target and target.group(1).startswith("__cudnn$fmha"):
-            return attention_flops(ins, instrs), nbytes
-        own = hlo._instr_flops(ins, instrs)
+        own = hlo._instr_flops(ins, instrs)  # cuDNN attention included (jaxpar.hlo.fmha_flops)
         return (own[1] or 0.0) if own else 0.0, nbytes
 
     def _fusion_bytes(self, ins: dict, instrs: dict, callee: str) -> float:
@@ -310,24 +308,6 @@ class _Walker:
         axis, n, bandwidth = self.link_memo[memo_key]
         seconds = 0.0 if n <= 1 else COLLECTIVE_LATENCY_S + _RING[base](n) * nbytes / bandwidth
         return (base, axis), nbytes, seconds
-
-
-def attention_flops(ins: dict, instrs: dict) -> float:
-    """Matmul FLOPs of one cuDNN flash-attention call: QK^T and PV over the [b, h, sq, sk] scores (4 b h
-    sq sk d), half of it under a causal mask, 2.5 times it for the backward (dQ, dK, dV, dP and the
-    recomputed scores: five matmuls to the forward's two)."""
-    attrs = ins["attrs"]
-    scores = re.search(r'"intermediate_tensor_shape".*?"dimensions":\s*\[([^\]]*)\]', attrs)
-    query = instrs.get(ins["args"][0]) if ins["args"] else None
-    if scores is None or query is None:
-        return 0.0
-    b, h, sq, sk = (int(x) for x in re.findall(r"\d+", scores.group(1)))
-    head_dim = hlo._dims(query["shape"])[-1]
-    flops = 4.0 * b * h * sq * sk * head_dim
-    if '"mask_type": "CAUSAL"' in attrs or '"mask_type":"CAUSAL"' in attrs:
-        flops /= 2
-    target = re.search(r'custom_call_target="([^"]+)"', attrs).group(1)
-    return flops * (2.5 if "Backward" in target else 1.0)
 
 
 def _nbytes(shape: str) -> float:

@@ -18,6 +18,7 @@ from jaxpar import attention_choice
 from jaxpar.attention_choice import Accelerator, choose_attention, resolve_attention
 from jaxpar.config import ConfigError, ModelConfig, VisionConfig, load_config, validate
 from jaxpar.data.synthetic import synthetic_batch
+from jaxpar.layers import attention as attention_layer
 from jaxpar.layers.attention import attention
 from jaxpar.layers.collectives import Collectives
 from jaxpar.models import llama, vit, vla
@@ -45,7 +46,8 @@ def llm(head_dim=128, precision="bf16", attention="auto"):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """jax.nn.dot_product_attention replaced by a recorder (returns zeros: cuDNN cannot run here)."""
+    """jax.nn.dot_product_attention, and the LLM layer's cuDNN call (jax's kernel with its residuals named,
+    jaxpar.layers.attention.cudnn_attention), replaced by a recorder (returns zeros: cuDNN cannot run here)."""
     calls = []
 
     def fake(q, k, v, bias=None, mask=None, **kwargs):
@@ -53,6 +55,8 @@ def recorded(monkeypatch):
         return jnp.zeros_like(q)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
+    monkeypatch.setattr(attention_layer, "cudnn_attention",
+                        lambda q, k, v, mask=None, **kwargs: fake(q, k, v, mask=mask, implementation="cudnn", **kwargs))
     return calls
 
 

@@ -42,6 +42,7 @@ def test_cudnn_attention_under_auto_none_with_xla_and_every_bundle_flag_accepted
     assert report["target"] == "h100-80gb" and report["platform"] == "gpu" and report["devices"] == 8
     assert report["kernels"]["attention"] == "cudnn"
     assert report["kernels"]["cudnn_attention_calls"] == 2 * layers  # one forward and one backward per layer
+    assert report["kernels"]["cudnn_attention_forward_calls"] == report["kernels"]["cudnn_attention_backward_calls"]
     assert report["hbm_bytes"] == gpu_aot.TARGETS["h100-80gb"].memory_bytes and report["fits"] is True
     assert all(e["async"] == e["count"] for e in report["collectives"])  # a GPU program's collectives are async
     # XLA aborts on a flag it does not know, so a finished compile accepted every one the bundle set
@@ -63,9 +64,36 @@ def test_cudnn_attention_under_auto_none_with_xla_and_every_bundle_flag_accepted
 
     done, report = dry_run(tmp_path, *TINY, "--gpu", "h100", "--config.model.attention=xla")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert report["kernels"] == {"attention": "xla", "cudnn_attention_calls": 0,
-                                 "gemm_calls": report["kernels"]["gemm_calls"]}
+    assert report["kernels"] == {"attention": "xla", "cudnn_attention_calls": 0, "cudnn_attention_forward_calls": 0,
+                                 "cudnn_attention_backward_calls": 0, "gemm_calls": report["kernels"]["gemm_calls"]}
     assert report["kernels"]["gemm_calls"] > 0
+
+
+def cudnn_attention_flops(config: dict, forward_calls_per_layer: int) -> float:
+    """Matmul FLOPs of cuDNN attention on one device in one step, from the config (llama, pp = 1, one
+    microbatch): per layer and call, the forward's QK^T and PV are 4 b h s^2 d over this device's batch
+    and heads, halved by the causal mask; the backward is 2.5 times that (jaxpar.hlo.fmha_flops)."""
+    model, mesh, train = config["model"], config["mesh"], config["train"]
+    batch, heads, seq = train["global_batch_size"] // mesh["dp"], model["n_heads"] // mesh["tp"], train["seq_len"]
+    forward = 4 * batch * heads * seq * seq * (model["d_model"] // model["n_heads"]) / 2
+    return model["n_layers"] * (forward_calls_per_layer * forward + 2.5 * forward)
+
+
+@pytest.mark.parametrize("policy, forward_calls_per_layer", [("selective", 1), ("dots", 1), ("full", 2)])
+def test_remat_keeps_cudnn_attentions_residuals_and_its_flops_are_counted(tmp_path, policy, forward_calls_per_layer):
+    """The policies that keep the attention output keep cuDNN's softmax statistics with it (jaxpar.layers.
+    attention.cudnn_attention names both), so the backward does not run the flash forward again: one
+    forward call per layer, as without remat (it was two before the statistics were named). `full` keeps
+    neither and re-runs it. The fMHA calls' matmuls are in the executed FLOPs, exactly the config's count."""
+    done, report = dry_run(tmp_path, *TINY, "--gpu", "h100", f"--config.remat.policy={policy}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    layers, kernels, executed = report["config"]["model"]["n_layers"], report["kernels"], report["executed_flops"]
+    assert kernels["attention"] == "cudnn" and kernels["cudnn_attention_backward_calls"] == layers
+    assert kernels["cudnn_attention_forward_calls"] == forward_calls_per_layer * layers
+    assert executed["attention"] == cudnn_attention_flops(report["config"], forward_calls_per_layer)
+    assert executed["uncounted"] == [] and "not counted" not in done.stdout
+    assert executed["total"] == executed["dot"] + executed["attention"] == report["executed_flops_per_device"]
+    assert report["estimate"]["executed_flops"] == pytest.approx(executed["total"], rel=1e-12)  # the schedule walk's
 
 
 def test_sequence_parallelism_reduce_scatters_and_all_gathers_over_tp(tmp_path):

@@ -411,3 +411,60 @@ def test_flops_literal_module_conditional_nested_whiles_and_library_calls():
 def test_flops_unknown_trip_count_is_flagged():
     got = executed_flops(FLOPS_LITERAL.replace('backend_config={"known_trip_count":{"n":"3"}}', ""))
     assert got["trip_count_unknown"] and got["total"] == (2 + 1 * 5 + 1) * 2 * 8 * 32 * 16
+
+
+def _fmha_config(scores: str, mask: str) -> str:
+    """A cuDNN fMHA backend_config as XLA prints it (abridged): the scores' shape and the mask type."""
+    dims = ", ".join(f'"{d}"' for d in scores.split(","))
+    return ('backend_config={"operation_queue_id": "0", "cudnn_fmha_backend_config": {"algorithm": {"algo_id": "0", '
+            '"is_cudnn_frontend": true}, "fmha_scale": 0.25, "intermediate_tensor_shape": {"element_type": "BF16", '
+            f'"dimensions": [{dims}], "tuple_shapes": [], "layout": {{"minor_to_major": ["3", "2", "1", "0"]}}, '
+            f'"is_dynamic_dimension": [false, false, false, false]}}, "is_flash_attention": true, "mask_type": "{mask}"}}}}')
+
+
+# A causal forward and backward in a loop of 3 (BTNH, GQA: 4 query heads over 2 KV heads, head dim 32), a
+# bidirectional forward with a bias in BNTH whose V heads are 16 wide (operand shapes from their producers),
+# and an fMHA call without a backend_config.
+BTNH = "bf16[2,64,4,32]{3,2,1,0}, bf16[2,64,2,32]{3,2,1,0}, bf16[2,64,2,32]{3,2,1,0}"
+FMHA_LITERAL = f"""HloModule m, is_scheduled=true
+
+%body (s: (s32[], bf16[2,64,4,32], bf16[2,64,2,32])) -> (s32[], bf16[2,64,4,32], bf16[2,64,2,32]) {{
+  %s = (s32[], bf16[2,64,4,32]{{3,2,1,0}}, bf16[2,64,2,32]{{3,2,1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %q = bf16[2,64,4,32]{{3,2,1,0}} get-tuple-element(%s), index=1
+  %kv = bf16[2,64,2,32]{{3,2,1,0}} get-tuple-element(%s), index=2
+  %fwd = (bf16[2,4,64,32]{{3,1,2,0}}, f32[2,4,64]{{2,1,0}}, u8[0]{{0}}) custom-call(%q, %kv, %kv), custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={{{BTNH}}}, api_version=API_VERSION_STATUS_RETURNING, {_fmha_config("2,4,64,64", "CAUSAL")}
+  %o = bf16[2,64,4,32]{{3,2,1,0}} get-tuple-element(%fwd), index=0
+  %stats = f32[2,4,64]{{2,1,0}} get-tuple-element(%fwd), index=1
+  %bwd = (bf16[2,64,4,32]{{3,1,2,0}}, bf16[2,64,2,32]{{3,1,2,0}}, bf16[2,64,2,32]{{3,1,2,0}}, u8[0]{{0}}) custom-call(%q, %kv, %kv, %stats, %o, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward", operand_layout_constraints={{{BTNH}, f32[2,4,64]{{2,1,0}}, bf16[2,64,4,32]{{3,2,1,0}}, bf16[2,64,4,32]{{3,2,1,0}}}}, {_fmha_config("2,4,64,64", "CAUSAL")}
+  ROOT %t = (s32[], bf16[2,64,4,32]{{3,2,1,0}}, bf16[2,64,2,32]{{3,2,1,0}}) tuple(%i, %q, %kv)
+}}
+
+ENTRY %main (q: bf16[2,64,4,32], kv: bf16[2,64,2,32], qn: bf16[2,4,64,32], vn: bf16[2,4,64,16], b: bf16[1,1,64,64]) -> bf16[2,4,64,16] {{
+  %q = bf16[2,64,4,32]{{3,2,1,0}} parameter(0)
+  %kv = bf16[2,64,2,32]{{3,2,1,0}} parameter(1)
+  %qn = bf16[2,4,64,32]{{3,2,1,0}} parameter(2)
+  %vn = bf16[2,4,64,16]{{3,2,1,0}} parameter(3)
+  %b = bf16[1,1,64,64]{{3,2,1,0}} parameter(4)
+  %z = s32[] constant(0)
+  %init = (s32[], bf16[2,64,4,32]{{3,2,1,0}}, bf16[2,64,2,32]{{3,2,1,0}}) tuple(%z, %q, %kv)
+  %loop = (s32[], bf16[2,64,4,32]{{3,2,1,0}}, bf16[2,64,2,32]{{3,2,1,0}}) while(%init), condition=%c, body=%body, backend_config={{"known_trip_count":{{"n":"3"}}}}
+  %bias = (bf16[2,4,64,16]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%qn, %qn, %vn, %b), custom_call_target="__cudnn$fmhaScaleBiasSoftmax", {_fmha_config("2,4,64,64", "NO_MASK")}
+  %bare = (bf16[2,4,64,16]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%qn, %qn, %vn), custom_call_target="__cudnn$fmhaSoftmaxDropout"
+  ROOT %out = bf16[2,4,64,16]{{3,2,1,0}} get-tuple-element(%bias), index=0
+}}
+"""
+
+
+def test_flops_of_cudnn_attention_forward_backward_causal_gqa_and_layouts():
+    """jaxpar.hlo.fmha_flops: forward S = QK^T and O = PV, 2 n (d_qk + d_v) for the n = b h s_q s_kv scores;
+    backward S again, dV, dP, dQ, dK: 2 n (3 d_qk + 2 d_v) = 2.5 x the forward when d_qk = d_v; causal
+    halves both. The call that cannot be read is named, not guessed."""
+    n = 2 * 4 * 64 * 64  # the scores: batch 2, 4 query heads (GQA's 2 KV heads change no product), 64 x 64
+    causal_forward, causal_backward = 2 * n * (32 + 32) / 2, 2 * n * (3 * 32 + 2 * 32) / 2
+    assert causal_backward == 2.5 * causal_forward
+    bias_forward = 2 * n * (32 + 16)  # no mask; head dims from the producers' shapes (BNTH: still the last dim)
+    got = executed_flops(FMHA_LITERAL)
+    assert got["attention"] == 3 * (causal_forward + causal_backward) + bias_forward
+    assert got["total"] == got["attention"] and got["dot"] == 0
+    assert got["uncounted"] == ["__cudnn$fmhaSoftmaxDropout"] and not got["trip_count_unknown"]
