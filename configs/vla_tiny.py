@@ -32,6 +32,6 @@ def get_config():
     # reads the same task as a LeRobot v3.0 dataset instead; through AV1 video it learns more slowly
     # (BENCHMARKS.md, "Closed-loop evaluation").
     c.data = dict(train="data/vla_tiny/train", eval="data/vla_tiny/heldout", generate=True)
-    # every evaluation also runs 200 held-out scenes in closed loop (jaxpar.rollout): eval_success_rate
+    # every evaluation also runs 200 held-out scenes in closed loop (jaxpar.robot.rollout): eval_success_rate
     c.eval = dict(every=500, rollouts=200)
     return c

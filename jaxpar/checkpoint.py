@@ -120,7 +120,7 @@ class Checkpointer:
         the arrays and without any collective (orbax's restore has cross-process barriers, so a process
         that fails inside it while the others wait there would hang them): every file opens, and the
         small JSON metadata orbax needs first parses. Run by every process before a restore; the
-        verdict is agreed (jaxpar.loop)."""
+        verdict is agreed (jaxpar.training.loop)."""
         root = self.directory / str(step)
         for name in ("_CHECKPOINT_METADATA", "meta/metadata", "state/_METADATA"):
             json.loads((root / name).read_bytes())

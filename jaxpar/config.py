@@ -152,7 +152,7 @@ class VisionConfig:
     # (uint8 pixels scaled to [0, 1]) and the encoder first computes (x / 255 - image_mean) / image_std
     # per channel (3 values, or one for every channel). Random init: mean 0, std 1 (the [0, 1] pixels
     # as they are, as before these keys existed). init.vision_from_hf: the directory's
-    # preprocessor_config.json, else SigLIP's 0.5 / 0.5, i.e. [-1, 1] (jaxpar.hf_siglip).
+    # preprocessor_config.json, else SigLIP's 0.5 / 0.5, i.e. [-1, 1] (jaxpar.interop.hf_siglip).
     image_mean: tuple[float, ...] = (0.0,)
     image_std: tuple[float, ...] = (1.0,)
     # How a LeRobot dataset's frames are resized to image_size (jaxpar.data.lerobot.resize): "area" (box
@@ -201,11 +201,11 @@ class InitConfig:
     """Where a fresh run's weights come from (a checkpoint in the workdir always wins)."""
 
     # a Hugging Face Llama directory (config.json + safetensors): the LLM starts from its weights, and
-    # model.* comes from its config.json (jaxpar.hf_llama); "" = random init
+    # model.* comes from its config.json (jaxpar.interop.hf_llama); "" = random init
     from_hf: str = ""
     llm_from_hf: str = ""  # the same, spelled for a VLA's LLM (set one of the two)
     # a VLA's encoder from a Hugging Face SigLIP vision tower; vision.* comes from its config.json and
-    # the projector starts fresh (jaxpar.hf_siglip)
+    # the projector starts fresh (jaxpar.interop.hf_siglip)
     vision_from_hf: str = ""
 
     @property
@@ -237,7 +237,7 @@ class EvalConfig:
 
     every: int = 0
     batches: int = 0
-    rollouts: int = 0  # closed-loop episodes of the procedural task per evaluation (jaxpar.rollout); 0 = none
+    rollouts: int = 0  # closed-loop episodes of the procedural task per evaluation (jaxpar.robot.rollout); 0 = none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,13 +353,13 @@ def load_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     if config.init.from_hf and config.init.llm_from_hf:
         raise ConfigError("init.from_hf and init.llm_from_hf are the same setting; set one of them")
     if config.init.llm_dir:
-        from jaxpar.hf_llama import with_model_from_hf
+        from jaxpar.interop.hf_llama import with_model_from_hf
 
         config = with_model_from_hf(config)
     if config.init.vision_from_hf:
         if config.model.kind != "vla":
             raise ConfigError("init.vision_from_hf needs model.kind=vla (the encoder is the VLA's)")
-        from jaxpar.hf_siglip import with_vision_from_hf
+        from jaxpar.interop.hf_siglip import with_vision_from_hf
 
         config = with_vision_from_hf(config)
     validate(config)

@@ -40,7 +40,7 @@ class Rules:
 
 
 LLM_RULES = Rules(RULES)
-TP_INNER = "tpv"  # the inner part of a split tp axis (jaxpar.mesh.Layout), present when a VLA's vision tp splits it
+TP_INNER = "tpv"  # the inner part of a split tp axis (jaxpar.parallel.mesh.Layout), present when a VLA's vision tp splits it
 
 
 def tensor_axes(mesh) -> str | tuple[str, ...]:
@@ -57,7 +57,7 @@ def kv_heads_replicated(n_kv_heads: int, tp: int) -> bool:
 def kv_head_ways(n_kv_heads: int, tp: int, tp_split: int = 1) -> int:
     """Over how many ranks the KV heads are split. tp when it divides them. With more tp ranks than KV
     heads, Megatron's layout: tp is split into ("tp", "tpv") of sizes (n_kv_heads, tp / n_kv_heads)
-    (jaxpar.mesh.Layout), each KV head lives on the outer "tp" index its query heads have and is
+    (jaxpar.parallel.mesh.Layout), each KV head lives on the outer "tp" index its query heads have and is
     replicated over "tpv", so a rank holds one KV head and its gradient is summed over the tp / K ranks
     sharing it only. 1 (every rank holds every KV head, sliced at use: Collectives.local_kv_heads) when
     the tp axis is split otherwise, for a VLA's vision tp."""
@@ -67,7 +67,7 @@ def kv_head_ways(n_kv_heads: int, tp: int, tp_split: int = 1) -> int:
 
 
 def tp_split(tp: int, n_kv_heads: int, vision_tp: int = 1) -> int:
-    """The size of the inner "tpv" part of a split tp axis (1: not split), jaxpar.mesh.Layout: a VLA's
+    """The size of the inner "tpv" part of a split tp axis (1: not split), jaxpar.parallel.mesh.Layout: a VLA's
     vision tp when it is a proper divisor of tp, else tp / n_kv_heads when there are fewer KV heads
     than tp ranks (kv_head_ways)."""
     if 1 < vision_tp < tp:

@@ -162,7 +162,7 @@ def run(argv: list[str]) -> int:
 
     is_first = launch_process_index(args.process_id) == 0
     apply_gpu_bundle(announce=print if is_first else None, force=gpu is not None)  # before JAX starts: read once
-    from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
+    from jaxpar.parallel.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
 
     layout = Layout.for_config(config)
     processes = args.num_processes or 1
@@ -184,7 +184,7 @@ def run(argv: list[str]) -> int:
         from jaxpar.attention_choice import resolve_attention
         from jaxpar.dry_run import dry_run, format_report, write_report
 
-        config, choice = resolve_attention(config, mesh)  # (training resolves it in jaxpar.loop.train)
+        config, choice = resolve_attention(config, mesh)  # (training resolves it in jaxpar.training.loop.train)
         print(choice)
         report = dry_run(config, mesh, gpu)
         print(format_report(report))
@@ -193,7 +193,7 @@ def run(argv: list[str]) -> int:
         return 0
 
     enable_compilation_cache(config.compile.cache_dir, is_first)  # before the first compilation
-    from jaxpar.loop import TrainingStopped, train
+    from jaxpar.training.loop import TrainingStopped, train
 
     try:
         records = train(config, mesh, workdir)

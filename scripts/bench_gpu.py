@@ -142,7 +142,7 @@ def run_variant(args) -> None:
 
     from jaxpar.attention_choice import resolve_attention
     from jaxpar.data.synthetic import SyntheticData
-    from jaxpar.mesh import Layout
+    from jaxpar.parallel.mesh import Layout
     from jaxpar.metrics import model_flops_per_step
     from jaxpar.parallel.step import StepBuilder
 

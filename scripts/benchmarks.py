@@ -20,7 +20,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 from jaxpar.config import ModelConfig, OffloadConfig, RematConfig, load_config  # noqa: E402
 from jaxpar.data.synthetic import synthetic_batch  # noqa: E402
 from jaxpar.dry_run import dry_run  # noqa: E402
-from jaxpar.mesh import Layout  # noqa: E402
+from jaxpar.parallel.mesh import Layout  # noqa: E402
 from jaxpar.parallel.step import StepBuilder  # noqa: E402
 
 GB = 1e9

@@ -83,10 +83,10 @@ def load(directory: str, devices: int, process_id: int, processes: int, port: in
         jax.distributed.initialize(f"127.0.0.1:{port}", processes, process_id)
     jax.devices()  # start the backend: its memory is part of the fixed overhead
     before = rss_bytes("VmRSS")
-    from jaxpar import hf_llama
+    from jaxpar.interop import hf_llama
     from jaxpar.config import ModelConfig
-    from jaxpar.generate import weight_shardings
-    from jaxpar.mesh import Layout
+    from jaxpar.inference.generate import weight_shardings
+    from jaxpar.parallel.mesh import Layout
 
     model = ModelConfig(**hf_llama.model_fields(directory))
     mesh = Layout(dp=1, pp=1, tp=devices * processes).make_mesh()

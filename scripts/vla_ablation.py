@@ -23,9 +23,9 @@ from jaxpar.config import load_config
 from jaxpar.data.episodes import instruction_bytes, make_episode, make_scene, scene_key
 from jaxpar.data.pipeline import episode_batch
 from jaxpar.layers.collectives import Collectives
-from jaxpar.mesh import Layout
+from jaxpar.parallel.mesh import Layout
 from jaxpar.models import llama, vla
-from jaxpar.optim import make_optimizer
+from jaxpar.parallel.optim import make_optimizer
 from jaxpar.parallel.step import StepBuilder
 
 SINGLE_DEVICE = ["mesh.dp=1", "mesh.pp=1", "mesh.tp=1", "pipeline.microbatches=1", "vision.zero.stage=0"]

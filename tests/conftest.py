@@ -2,7 +2,7 @@
 load-tolerant collective timeout (the suite runs in 2 workers on 2 cores), and compiles in-process
 programs with XLA's backend (LLVM codegen) optimisation level 0 (see fast_codegen_in_this_process)."""
 
-from jaxpar.mesh import emulate_cpu_devices
+from jaxpar.parallel.mesh import emulate_cpu_devices
 
 emulate_cpu_devices(8)
 
@@ -45,7 +45,7 @@ def fast_codegen_in_this_process() -> None:
 fast_codegen_in_this_process()
 
 from jaxpar.config import Config, MeshConfig, ModelConfig, TrainConfig, ZeroConfig, validate  # noqa: E402
-from jaxpar.mesh import Layout  # noqa: E402
+from jaxpar.parallel.mesh import Layout  # noqa: E402
 from jaxpar.parallel.step import StepBuilder  # noqa: E402
 
 # Small but with every dim divisible by 8, so any (dp, tp) in the tests is a valid layout.

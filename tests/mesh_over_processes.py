@@ -9,7 +9,7 @@ import sys
 
 port, process_id, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 
-from jaxpar.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed  # noqa: E402
+from jaxpar.parallel.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed  # noqa: E402
 
 emulate_cpu_devices(4)
 maybe_initialize_distributed(f"127.0.0.1:{port}", 2, process_id)

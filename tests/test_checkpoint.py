@@ -16,7 +16,7 @@ from conftest import TINY_MODEL, builder_for, free_port, make_config
 from jaxpar.checkpoint import _model_fingerprint, fingerprint_mismatch
 from jaxpar.config import CheckpointConfig, DebugConfig, PipelineConfig, load_config
 from jaxpar.errors import ConfigError
-from jaxpar.loop import TrainingStopped, train
+from jaxpar.training.loop import TrainingStopped, train
 
 
 def with_checkpoints(config, every, keep=20):
@@ -156,7 +156,7 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, c
 def test_a_restore_that_runs_out_of_memory_propagates_and_moves_nothing(tmp_path, monkeypatch):
     """Only unreadable files make a checkpoint 'unreadable': an out-of-memory error during a
     (resharded) restore is the layout's problem, not the checkpoint's, and must not cost it."""
-    from jaxpar import loop
+    from jaxpar.training import loop
     from jaxpar.checkpoint import Checkpointer
 
     config = with_checkpoints(make_config(steps=2), every=2)

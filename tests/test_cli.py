@@ -15,7 +15,7 @@ import jax
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import AXES, Layout, devices_for
+from jaxpar.parallel.mesh import AXES, Layout, devices_for
 from jaxpar.train import parse_args
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -39,7 +39,7 @@ def train(*args, home: pathlib.Path, **env) -> subprocess.CompletedProcess:
 
 
 def compile_seconds(proc: subprocess.CompletedProcess) -> float:
-    """The step's compile time the trainer reports (jaxpar.loop: 'compiled in X.Xs; training')."""
+    """The step's compile time the trainer reports (jaxpar.training.loop: 'compiled in X.Xs; training')."""
     match = COMPILED_IN.search(proc.stderr)
     assert match, proc.stderr[-3000:]
     return float(match.group(1))

@@ -30,7 +30,7 @@ from jaxpar.data.pipeline import (EvalData, GrainData, episode_batch, make_sourc
                                   text_batch, train_data)
 from jaxpar.data.text import TokenSource, is_heldout, prepare_text, read_meta
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import Layout
+from jaxpar.parallel.mesh import Layout
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TEXT_MODEL = dataclasses.replace(TINY_MODEL, vocab_size=264)  # byte tokenizer: 258 ids, padded for tp <= 8

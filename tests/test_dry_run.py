@@ -25,7 +25,7 @@ import pytest
 from conftest import XLA_DEFAULT_CODEGEN, make_config, tp_local_params
 from jaxpar import dry_run as dr
 from jaxpar.config import MeshConfig, ModelConfig, ZeroConfig, load_config
-from jaxpar.mesh import Layout
+from jaxpar.parallel.mesh import Layout
 from jaxpar.parallel.step import StepBuilder
 
 MODEL = ModelConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=512)

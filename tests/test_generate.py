@@ -1,4 +1,4 @@
-"""Generation with a KV cache (jaxpar.generate, jaxpar.models.decode), against transformers' generate.
+"""Generation with a KV cache (jaxpar.inference.generate, jaxpar.inference.decode), against transformers' generate.
 
 The cache is also checked against jaxpar's own full forward (prefill, then one token at a time, must
 give the logits of the whole sequence at once), so a cache bug cannot hide behind a matching prefix.
@@ -16,9 +16,10 @@ from conftest import require
 torch = require("torch")
 transformers = require("transformers")
 
-from jaxpar import generate as gen  # noqa: E402
+from jaxpar.inference import generate as gen  # noqa: E402
 from jaxpar.layers.collectives import Collectives  # noqa: E402
-from jaxpar.models import decode, llama  # noqa: E402
+from jaxpar.models import llama  # noqa: E402
+from jaxpar.inference import decode
 from test_hf import make_hf_model  # noqa: E402
 
 PROMPT = [5, 17, 99, 3, 42]
@@ -129,9 +130,9 @@ def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
 
     from jaxpar.config import load_config
     from jaxpar.data.episodes import instruction_bytes, make_episode, make_scene
-    from jaxpar.export import restore_weights
-    from jaxpar.loop import train
-    from jaxpar.mesh import Layout
+    from jaxpar.inference.loader import restore_weights
+    from jaxpar.training.loop import train
+    from jaxpar.parallel.mesh import Layout
     from jaxpar.models import vit, vla
 
     config = load_config("vla_tiny", ["data.train=", "data.eval=", "data.generate=false", "train.steps=2",

@@ -1,4 +1,4 @@
-"""Text prompts and end of sequence as transformers reads them (jaxpar.generate, jaxpar.export,
+"""Text prompts and end of sequence as transformers reads them (jaxpar.inference.generate, jaxpar.interop.export,
 jaxpar.data.text), against transformers itself.
 
 A tiny random LlamaForCausalLM (test_hf.make_hf_model) is saved next to a tiny Llama-3-shaped
@@ -20,8 +20,8 @@ torch = require("torch")
 transformers = require("transformers")
 tokenizers = require("tokenizers")
 
-from jaxpar import export  # noqa: E402
-from jaxpar import generate as gen  # noqa: E402
+from jaxpar.interop import export  # noqa: E402
+from jaxpar.inference import generate as gen  # noqa: E402
 from test_hf import make_hf_model  # noqa: E402
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -178,9 +178,9 @@ def test_a_run_stops_at_its_models_eos_ids_and_exports_them(hf_dir, tmp_path, ca
     sequences as the model does: at any of the model's eos ids (an Instruct model's <|eot_id|>), both in
     `generate --workdir` and in the export's generation_config.json, which transformers reads."""
     from jaxpar.config import Config, DataConfig, InitConfig, TrainConfig, validate
-    from jaxpar.hf_llama import with_model_from_hf
-    from jaxpar.loop import train
-    from jaxpar.mesh import Layout
+    from jaxpar.interop.hf_llama import with_model_from_hf
+    from jaxpar.training.loop import train
+    from jaxpar.parallel.mesh import Layout
 
     make_tokenizer(hf_dir)
     prepare(tmp_path, hf_dir / "tokenizer.json")

@@ -36,7 +36,7 @@ def test_gqa_layout_matches_single_device(n_kv, layout, stage, sp):
 def test_kv_heads_held_whole_on_an_unsplit_tp_axis(monkeypatch, n_kv, layout, stage):
     """The fallback: a mesh whose tp axis is not split for the KV heads."""
     import test_equivalence
-    from jaxpar.mesh import Layout
+    from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder
 
     dp, pp, tp = layout

@@ -18,11 +18,11 @@ torch = require("torch")
 transformers = require("transformers")
 
 from conftest import builder_for  # noqa: E402
-from jaxpar import hf_llama  # noqa: E402
+from jaxpar.interop import hf_llama  # noqa: E402
 from jaxpar.config import Config, ConfigError, InitConfig, MeshConfig, ModelConfig, TrainConfig, ZeroConfig  # noqa: E402
 from jaxpar.config import validate  # noqa: E402
 from jaxpar.layers.collectives import Collectives  # noqa: E402
-from jaxpar.loop import _fresh_state  # noqa: E402
+from jaxpar.training.loop import _fresh_state  # noqa: E402
 from jaxpar.models import llama  # noqa: E402
 
 SEQ = 32
@@ -157,8 +157,9 @@ def test_streaming_reads_only_each_devices_slice(tmp_path, monkeypatch):
 
 
 def test_export_of_a_trained_run_loads_in_transformers(tmp_path, capsys):
-    from jaxpar import export
-    from jaxpar.loop import train
+    from jaxpar.inference import loader
+    from jaxpar.interop import export
+    from jaxpar.training.loop import train
 
     make_hf_model(tmp_path / "hf", "gqa")
     config = config_for(tmp_path / "hf", mesh=dict(dp=2, pp=2, tp=2), zero=dict(stage=1))
@@ -181,7 +182,7 @@ def test_export_of_a_trained_run_loads_in_transformers(tmp_path, capsys):
     assert (tmp_path / "out" / "tokenizer.json").read_text() == (tmp_path / "tok.json").read_text()
 
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
-    single = export.single_device(config)
+    single = loader.single_device(config)
     state = builder_for(single)
     from jaxpar.checkpoint import Checkpointer
     restored, step, _ = Checkpointer(run_dir, single).restore(state.abstract_state())
@@ -193,7 +194,7 @@ def test_export_of_a_trained_run_loads_in_transformers(tmp_path, capsys):
     assert not np.allclose(hf_logits(original, tokens), hf_logits(exported, tokens), atol=1e-3), "trained weights"
 
     # generation straight from the run (tp = 2) equals transformers' greedy decoding of the export
-    from jaxpar import generate
+    from jaxpar.inference import generate
 
     with torch.no_grad():
         expected = exported.generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=6, do_sample=False,

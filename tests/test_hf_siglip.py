@@ -13,11 +13,11 @@ from jax.sharding import PartitionSpec as P
 torch = require("torch")
 transformers = require("transformers")
 
-from jaxpar import hf_siglip  # noqa: E402
+from jaxpar.interop import hf_siglip  # noqa: E402
 from jaxpar.config import ConfigError, VisionConfig, load_config  # noqa: E402
 from jaxpar.layers.collectives import Collectives  # noqa: E402
-from jaxpar.loop import _fresh_state  # noqa: E402
-from jaxpar.mesh import Layout  # noqa: E402
+from jaxpar.training.loop import _fresh_state  # noqa: E402
+from jaxpar.parallel.mesh import Layout  # noqa: E402
 from jaxpar.models import vit, vla  # noqa: E402
 from jaxpar.parallel.step import StepBuilder  # noqa: E402
 from jaxpar.sharding import tree_specs, unused_mesh_axes, vision_rules  # noqa: E402
@@ -159,8 +159,8 @@ def test_vla_export_writes_a_llama_and_a_siglip_that_transformers_loads(tmp_path
 
     from safetensors.numpy import load_file
 
-    from jaxpar import export
-    from jaxpar.loop import train
+    from jaxpar.interop import export
+    from jaxpar.training.loop import train
 
     make_siglip(tmp_path / "siglip")
     config = load_config("vla_tiny", [f"init.vision_from_hf={tmp_path / 'siglip'}", "vision.film=false",

@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from conftest import builder_for, make_config
-from jaxpar.loop import train
+from jaxpar.training.loop import train
 
 
 def test_log_every_writes_every_nth_and_the_last_step(tmp_path):
@@ -24,7 +24,7 @@ def test_synthetic_task_is_learnable(tmp_path):
 
 
 def test_spike_detector_flags_three_sigma_jumps_only():
-    from jaxpar.loop import SpikeDetector
+    from jaxpar.training.loop import SpikeDetector
 
     detector = SpikeDetector(window=20)
     steady = [2.0 + 0.01 * (i % 3) for i in range(15)]

@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P  # noqa: E402
 from conftest import free_port  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.hlo import collectives  # noqa: E402
-from jaxpar.mesh import AXES, Layout, split_over_processes  # noqa: E402
+from jaxpar.parallel.mesh import AXES, Layout, split_over_processes  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -124,7 +124,7 @@ def test_two_processes_of_four_devices_keep_every_tp_group_inside_a_process(tmp_
 
 def test_emulated_devices_get_a_load_tolerant_collective_timeout_unless_the_user_set_one(monkeypatch):
     """XLA:CPU's 40 s default killed a grain-worker test when the suite ran in 2 workers on 2 cores."""
-    from jaxpar.mesh import CPU_COLLECTIVE_TIMEOUT_FLAG, CPU_WARN_STUCK_FLAG, emulate_cpu_devices
+    from jaxpar.parallel.mesh import CPU_COLLECTIVE_TIMEOUT_FLAG, CPU_WARN_STUCK_FLAG, emulate_cpu_devices
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
     emulate_cpu_devices(8)
     assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/d {CPU_COLLECTIVE_TIMEOUT_FLAG}=660 {CPU_WARN_STUCK_FLAG}=30"

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import builder_for, make_config, replace
 from jaxpar.config import ConfigError, ProfileConfig, load_config, profile_steps, validate
-from jaxpar.loop import train
-from jaxpar.profiling import StepProfiler
+from jaxpar.training.loop import train
+from jaxpar.training.profiling import StepProfiler
 
 
 def traced_steps(workdir) -> list[int]:

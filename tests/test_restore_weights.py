@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config, replace
-from jaxpar import export
+from jaxpar.interop import export
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import PipelineConfig, to_dict
 
@@ -59,7 +59,7 @@ SAVE_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.config import Config, from_dict
-    from jaxpar.mesh import Layout
+    from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder
     workdir, step = pathlib.Path(sys.argv[1]), int(sys.argv[2])
     config = from_dict(Config, json.loads((workdir / "config.json").read_text()))
@@ -103,7 +103,7 @@ SAVE_SCRIPT = textwrap.dedent("""
 RSS_SCRIPT = textwrap.dedent("""
     import json, os, pathlib, sys, threading, time, zlib
     import jax, jax.numpy as jnp, numpy as np
-    from jaxpar import export
+    from jaxpar.interop import export
     jnp.ones(8).block_until_ready()  # the runtime is up before the baseline
     def status(field):  # VmHWM: this process's peak resident memory (ru_maxrss would carry the forking parent's)
         line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))

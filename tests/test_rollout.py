@@ -1,4 +1,4 @@
-"""Closed-loop evaluation (jaxpar.env, jaxpar.rollout): the environment against the training episodes,
+"""Closed-loop evaluation (jaxpar.robot.env, jaxpar.robot.rollout): the environment against the training episodes,
 the expert and chance as reference policies, a VLA as a policy, and the CLI on a run directory."""
 
 import dataclasses
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from jaxpar import env as task
-from jaxpar import rollout
+from jaxpar.robot import env as task
+from jaxpar.robot import rollout
 from jaxpar.data import episodes
 
 SHAPE = task.TaskShape()  # the demo data's: 16 pixels, 4x4 grid, 7 dims, 1 camera, 3 squares
@@ -186,7 +186,7 @@ def tiny_vla(tmp_path_factory):
     jitting the real init costs ~20 CPU-seconds of compilation and tests nothing here."""
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.config import load_config
-    from jaxpar.mesh import Layout
+    from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder
 
     config = load_config("vla_tiny", ["data.train=", "data.eval=", "data.generate=false", "mesh.dp=1", "mesh.pp=1",
@@ -209,7 +209,8 @@ def tiny_vla(tmp_path_factory):
 
 
 def test_the_model_policy_is_predict_actions_then_bin_centres(tiny_vla):
-    from jaxpar.models import decode, vla
+    from jaxpar.models import vla
+    from jaxpar.inference import decode
 
     config, weights, _ = tiny_vla
     shape = task.TaskShape.from_config(config)
@@ -236,7 +237,7 @@ def test_rollouts_on_the_training_layout_follow_the_one_device_trajectories(tiny
     the same cells as the one-device policy, so the success rate is the same."""
     from jaxpar.checkpoint import Checkpointer
     from jaxpar.config import load_config
-    from jaxpar.mesh import Layout
+    from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder
 
     single_config, weights, run_dir = tiny_vla

@@ -4,7 +4,7 @@ Before every collective was ordered (jaxpar/layers/order.py), llama_tiny's dp 2 
 XLA:CPU collective about once in a few 2000-step runs, and 8-step dp 2 x tp 2 runs whose step came from
 the persistent compilation cache hung in 6 of 19. Each run here is its own `python -m jaxpar.train`
 process with a time limit far above its normal time; a hang fails the test (the trainer's watchdog
-ends a stuck run with one line and exit status 3, jaxpar.watchdog, so a hang is also reported).
+ends a stuck run with one line and exit status 3, jaxpar.training.watchdog, so a hang is also reported).
 BENCHMARKS.md ("No hang") records the counts measured when this was built.
 """
 

@@ -15,7 +15,7 @@ from conftest import TINY_MODEL, builder_for, make_config
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import CheckpointConfig, DataConfig, EvalConfig
 from jaxpar.data.text import prepare_text, read_meta
-from jaxpar.loop import train
+from jaxpar.training.loop import train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TEXT_MODEL = dataclasses.replace(TINY_MODEL, vocab_size=264)  # byte tokenizer: 258 ids, padded for tp <= 8

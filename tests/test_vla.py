@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, MeshConfig, ZeroConfig, load_config, validate
-from jaxpar.mesh import Layout
+from jaxpar.parallel.mesh import Layout
 from jaxpar.models import vit, vla
 from jaxpar.parallel.step import StepBuilder
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from jaxpar.watchdog import STUCK_EXIT_CODE
+from jaxpar.training.watchdog import STUCK_EXIT_CODE
 
 # A real deadlock: device 0 waits in a psum that device 1 (the other branch of a cond) never joins.
 SCRIPT = textwrap.dedent("""
@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_num_cpu_devices", 2)
     from jax.sharding import Mesh, PartitionSpec as P
-    from jaxpar.watchdog import StepWatchdog
+    from jaxpar.training.watchdog import StepWatchdog
     mesh = Mesh(np.array(jax.devices()), ("dp",))
     def body(x):
         return jax.lax.cond(jax.lax.axis_index("dp") == 0, lambda v: jax.lax.psum(v, "dp"), lambda v: v * 2, x)
@@ -45,7 +45,7 @@ def test_a_stuck_collective_ends_the_run_with_one_line_naming_it():
 
 POOL_SCRIPT = textwrap.dedent("""
     import os, pathlib
-    from jaxpar.mesh import emulate_cpu_devices
+    from jaxpar.parallel.mesh import emulate_cpu_devices
     emulate_cpu_devices(8)
     import jax
     jax.devices()
@@ -64,7 +64,7 @@ def test_emulated_devices_get_threads_enough_to_all_wait_in_collectives():
     blocked in a collective, the last one's concurrent work found no thread and make run's step hung
     (2 of 3 concurrent 2000-step runs). jaxpar asks for 4 threads per device (PJRT_NPROC, which this
     jaxlib reads when it creates the CPU client): 32 for 8 devices, whatever the machine's cores."""
-    from jaxpar.mesh import THREADS_PER_DEVICE
+    from jaxpar.parallel.mesh import THREADS_PER_DEVICE
 
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     run = subprocess.run([sys.executable, "-c", POOL_SCRIPT], capture_output=True, text=True, timeout=120, env=env)

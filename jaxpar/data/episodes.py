@@ -126,7 +126,7 @@ def _draw_episodes(episodes: int, seed: int, exclude: set[str], objects: int, **
 
 def write_scenes(directory: pathlib.Path, scenes: list[dict]) -> None:
     """scenes.jsonl: each episode's scene (squares, target, start cell), so closed-loop evaluation
-    (jaxpar.rollout) can draw scenes the train split never showed."""
+    (jaxpar.robot.rollout) can draw scenes the train split never showed."""
     with open(directory / SCENES_FILE, "w") as f:
         for scene in scenes:
             f.write(json.dumps(scene) + "\n")

@@ -5,7 +5,7 @@ training set: robot datasets have dims of very different scales (metres, radians
 and a few outliers that would waste bins. With `actions.normalization=quantile` (the default for a
 LeRobot dataset) the range is resolved once at start, before JAX starts, and written into the
 config (`actions.q01` / `actions.q99`), so WORKDIR/config.json, every checkpoint's metadata, the
-evaluation's decoded actions, `jaxpar.generate` and `jaxpar.rollout` all use the same bins:
+evaluation's decoded actions, `jaxpar.inference.generate` and `jaxpar.robot.rollout` all use the same bins:
 
 1. the range the user gave (actions.q01 / q99), else
 2. the range this workdir's previous run used (its config.json: a resumed run must keep the bins

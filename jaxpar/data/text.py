@@ -11,7 +11,7 @@ local model file: `*.model` for sentencepiece, `*.json` for Hugging Face `tokeni
 
 Special tokens: a `tokenizers` file encodes with its own post-processor, so a Llama tokenizer.json puts
 BOS (`<s>`, `<|begin_of_text|>`) before every document, as the model was pretrained and as transformers'
-`tokenizer(text)` and jaxpar.generate's prompts do; EOS is appended unless the template already
+`tokenizer(text)` and jaxpar.inference.generate's prompts do; EOS is appended unless the template already
 ended the document with it. meta.json's `special_tokens` says which way a split was encoded (absent:
 shards written before it was recorded, encoded without), so generation from a run encodes its prompts
 as its training text was. A sentencepiece `.model` carries no template (the library adds nothing by

@@ -3,7 +3,7 @@
 ViT: non-overlapping patches -> linear patch embedding + learned position embedding (initialised
 to 2-D sin-cos by default, see `sincos_2d`), pre-LayerNorm
 transformer blocks with bidirectional multi-head attention and a GELU MLP, final LayerNorm; with
-`vision.bias` the linear layers have biases, which makes it SigLIP's vision tower (jaxpar.hf_siglip). With
+`vision.bias` the linear layers have biases, which makes it SigLIP's vision tower (jaxpar.interop.hf_siglip). With
 several cameras each image is encoded separately and the patch tokens are concatenated.
 Optional FiLM conditioning on the instruction (RT-1's FiLM-EfficientNet; `vision.film`): the
 instruction bytes' mean embedding gives a per-block scale and shift of every patch token, so a patch

@@ -40,7 +40,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
 from jaxpar.models import llama, vit, vla
-from jaxpar.optim import lr_schedule, make_optimizer
+from jaxpar.parallel.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import remat, schedule as pipeline_schedule
 from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order

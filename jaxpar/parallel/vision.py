@@ -2,7 +2,7 @@
 
 Strategy (the seed's table 6.2 idea: a small encoder wants data parallelism, not the LLM's layout):
 - The encoder is tensor-parallel over `vision.tp` devices: the whole tp axis, or its inner part
-  ("tpv" of a split tp axis, jaxpar.mesh.Layout) when vision.tp is a proper divisor of mesh.tp.
+  ("tpv" of a split tp axis, jaxpar.parallel.mesh.Layout) when vision.tp is a proper divisor of mesh.tp.
 - Its batch is split over every mesh axis its tp does not use: each dp shard's examples are divided
   further over pp (and the rest of tp), so every vision tp group encodes a distinct slice.
 - The projected image tokens are then assembled back into the LLM's layout (dp-sharded, the same on

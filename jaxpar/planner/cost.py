@@ -21,7 +21,7 @@ overlapped with compute (jaxpar issues them in line; XLA may overlap some, so th
 bubble's seconds are the idle slots' share of the layers' executed FLOPs (= the table's
 bubble_fraction for 1f1b and gpipe, and for zb when F, B and W cost the same), applied to the layer
 compute and its tp all-reduces: masked slots compute and communicate like busy ones.
-Placement follows jaxpar.mesh: tp fastest-varying (inside a node when tp <= GPUs per node), pp next,
+Placement follows jaxpar.parallel.mesh: tp fastest-varying (inside a node when tp <= GPUs per node), pp next,
 dp outermost.
 """
 

@@ -32,6 +32,11 @@ from jaxpar.errors import ConfigError
 from jaxpar.sharding import TP_INNER, tp_split
 
 AXES = ("dp", "pp", "tp")
+# XLA:CPU's collective timeouts, which emulate_cpu_devices sets: its "may be stuck" line (naming the
+# collective, a warning only) and its abort, which comes after the trainer's own watchdog has ended a
+# stuck run with one line (jaxpar.training.watchdog.CPU_STUCK_S lies between the two).
+CPU_WARN_STUCK_S = 30
+CPU_TERMINATE_S = 660
 
 
 
@@ -121,7 +126,7 @@ def split_over_processes(shape: tuple[int, ...], per_process: int) -> tuple[list
 # XLA:CPU aborts a collective when one of its device threads is 40 s late (its default); emulated
 # devices are threads of one process that a loaded host (a test suite in parallel, grain workers) can
 # starve for that long, so the trainer waits longer, has XLA name a collective that waits more than
-# 30 s, and ends a really stuck run itself with one line first (jaxpar.watchdog). A flag the user set wins.
+# 30 s, and ends a really stuck run itself with one line first (jaxpar.training.watchdog). A flag the user set wins.
 CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
 CPU_WARN_STUCK_FLAG = "--xla_cpu_collective_call_warn_stuck_timeout_seconds"
 
@@ -140,8 +145,6 @@ def emulate_cpu_devices(count: int) -> None:
     """Ask the CPU backend for `count` devices, with threads enough for all of them to block in
     collectives at once, a load-tolerant collective timeout and a warning naming a stuck collective;
     must run before the first JAX backend use. Settings the user made (PJRT_NPROC, XLA_FLAGS) win."""
-    from jaxpar.watchdog import CPU_TERMINATE_S, CPU_WARN_STUCK_S
-
     jax.config.update("jax_num_cpu_devices", max(count, 1))
     if "PJRT_NPROC" not in os.environ:
         os.environ["PJRT_NPROC"] = str(max(THREADS_PER_DEVICE * count, os.cpu_count() or 1))

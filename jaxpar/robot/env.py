@@ -1,5 +1,5 @@
 """The procedural "move to the <colour> square" task (jaxpar.data.episodes) as a batched environment,
-for closed-loop evaluation (jaxpar.rollout): a trained VLA's actions move the effector, and success
+for closed-loop evaluation (jaxpar.robot.rollout): a trained VLA's actions move the effector, and success
 is reaching the named square, not matching the recorded expert step by step.
 
 A scene is the record of scenes.jsonl: {"squares": [[colour, row, col], ...], "target": index of the

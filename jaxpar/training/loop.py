@@ -1,5 +1,5 @@
 """The training loop: resume, compile once, dispatch step N then fetch step N-1's metrics, checkpoint,
-evaluate; optionally trace steps START..END with jax.profiler (jaxpar.profiling).
+evaluate; optionally trace steps START..END with jax.profiler (jaxpar.training.profiling).
 
 The attention kernel (`model.attention`) is resolved for the mesh's devices here, before the step
 is built, and said in one line (jaxpar.attention_choice).
@@ -34,8 +34,8 @@ from jaxpar.data.pipeline import eval_data, train_data
 from jaxpar.metrics import MetricsWriter, mfu, model_flops_per_step, peak_flops_per_device
 from jaxpar.parallel.evaluate import Evaluator, metrics_from_sums
 from jaxpar.parallel.step import StepBuilder
-from jaxpar.profiling import StepProfiler
-from jaxpar.watchdog import CPU_STUCK_S, StepWatchdog
+from jaxpar.training.profiling import StepProfiler
+from jaxpar.training.watchdog import CPU_STUCK_S, StepWatchdog
 
 SPIKE_WINDOW = 50  # logged losses in the running window of the spike detector
 SPIKE_SIGMAS = 3.0
@@ -127,7 +127,7 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
 
 
 def _watchdog(mesh, checkpoints: Checkpointer):
-    """On an emulated CPU mesh, a run whose step no longer finishes ends with one line (jaxpar.watchdog)."""
+    """On an emulated CPU mesh, a run whose step no longer finishes ends with one line (jaxpar.training.watchdog)."""
     if mesh.devices.flat[0].platform != "cpu" or mesh.size == 1:
         return contextlib.nullcontext()
     return StepWatchdog(CPU_STUCK_S, f"checkpoints in {checkpoints.directory}; rerun the command to resume")
@@ -178,7 +178,8 @@ def _fresh_state(builder: StepBuilder):
     llm_dir, vision_dir = config.init.llm_dir, config.init.vision_from_hf
     if not llm_dir and not vision_dir:
         return builder.init_state(config.train.seed)
-    from jaxpar import hf_llama, hf_siglip
+    from jaxpar.interop import hf_siglip
+    from jaxpar.interop import hf_llama
 
     llm = hf_llama.load_weights(llm_dir, config.model, builder.llm_weight_shardings()) if llm_dir else None
     vision = hf_siglip.load_vision(vision_dir, config.vision) if vision_dir else None
@@ -269,7 +270,7 @@ class Evaluation:
         self.step_fn = Evaluator(builder).jit_eval_step() if self.data is not None else None
         self.rollouts = None
         if config.eval.rollouts:
-            from jaxpar.rollout import TrainingRollouts
+            from jaxpar.robot.rollout import TrainingRollouts
 
             self.rollouts = TrainingRollouts(config, builder)
 

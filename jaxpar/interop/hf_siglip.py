@@ -24,7 +24,7 @@ from the directory's preprocessor_config.json, or SigLIP's values where it has n
 (`preprocessing_fields`); `write_vision` writes them back into one.
 
 The encoder (0.4B parameters for so400m) is read whole on each host and then laid out; the LLM is
-the part that needs streaming (jaxpar.hf_llama).
+the part that needs streaming (jaxpar.interop.hf_llama).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxpar.config import Config, VisionConfig
 from jaxpar.errors import ConfigError
-from jaxpar.hf_llama import SafetensorsReader, with_section_from_checkpoint
+from jaxpar.interop.hf_llama import SafetensorsReader, with_section_from_checkpoint
 
 PREFIX = "vision_model."
 LAYER = "encoder.layers.{}."

@@ -3,7 +3,7 @@
 Emulated devices are threads of one process, and a collective that some device never joins (a
 deadlock: jaxpar/layers/order.py says how jaxpar prevents them) leaves the main thread waiting at
 0% CPU. XLA:CPU names the stuck collective after `CPU_WARN_STUCK_S` (its warn-stuck flag, set by
-jaxpar.mesh.emulate_cpu_devices) and would abort the process after its terminate timeout with a
+jaxpar.parallel.mesh.emulate_cpu_devices) and would abort the process after its terminate timeout with a
 fatal log and a stack dump of every thread. The trainer's `StepWatchdog` ends the run first: when no
 training step has finished for `CPU_STUCK_S`, it prints one line saying what happened and where the
 last checkpoint is, and exits with status 3. The terminate timeout stays above it
@@ -19,9 +19,10 @@ import sys
 import threading
 import time
 
-CPU_WARN_STUCK_S = 30  # XLA:CPU's "may be stuck" line, naming the collective (a warning only)
+from jaxpar.parallel.mesh import CPU_TERMINATE_S, CPU_WARN_STUCK_S  # noqa: F401  (the mesh sets XLA:CPU's flags)
+
 CPU_STUCK_S = 600  # no step finished for this long: the run ends with one line (StepWatchdog)
-CPU_TERMINATE_S = 660  # XLA:CPU aborts after this; the watchdog speaks first
+assert CPU_WARN_STUCK_S < CPU_STUCK_S < CPU_TERMINATE_S
 STUCK_EXIT_CODE = 3
 
 
