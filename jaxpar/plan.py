@@ -34,12 +34,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def run(argv: list[str]) -> int:
-    from jaxpar.config import load_config
+    from jaxpar.interop.pretrained import load_run_config
     from jaxpar.planner import hardware, recommend, report
 
     args, overrides = parse_args(argv)
     hw = hardware.get(args.gpu, hardware.load_overrides(args.hardware_json))
-    config = load_config(args.config, overrides)
+    config = load_run_config(args.config, overrides)
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus_per_node={args.gpus_per_node} must be >= 1")
     if args.recommend:

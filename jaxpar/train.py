@@ -139,12 +139,13 @@ def _cache_dir_problem(path: pathlib.Path, writes: bool) -> str | None:
 
 
 def run(argv: list[str]) -> int:
-    from jaxpar.config import load_config, pipeline_warning, to_dict
+    from jaxpar.config import pipeline_warning, to_dict
+    from jaxpar.interop.pretrained import load_run_config
 
     # Flags, config and workdir are checked before JAX is even imported: a mistake costs no start-up time.
     args, overrides = parse_args(argv)
     gpu = _gpu_target(args)  # before anything imports JAX (validating some configs imports model code)
-    config = load_config(args.config, overrides)
+    config = load_run_config(args.config, overrides)
     if (warning := pipeline_warning(config)) is not None:
         print(warning, file=sys.stderr)
     workdir = pathlib.Path(args.workdir or f"runs/{pathlib.Path(args.config).stem}")

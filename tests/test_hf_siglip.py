@@ -15,6 +15,7 @@ transformers = require("transformers")
 
 from jaxpar.interop import hf_siglip  # noqa: E402
 from jaxpar.config import ConfigError, VisionConfig, load_config  # noqa: E402
+from jaxpar.interop.pretrained import load_run_config  # noqa: E402
 from jaxpar.layers.collectives import Collectives  # noqa: E402
 from jaxpar.training.loop import _fresh_state  # noqa: E402
 from jaxpar.parallel.mesh import Layout  # noqa: E402
@@ -97,7 +98,7 @@ def test_vla_starts_from_llama_and_siglip(tmp_path):
         vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=10000.0))
     hf_llm.save_pretrained(llm_dir)  # (the Llama import itself is tested in test_hf.py)
-    config = load_config("vla_tiny", [f"init.llm_from_hf={llm_dir}", f"init.vision_from_hf={tmp_path / 'siglip'}",
+    config = load_run_config("vla_tiny", [f"init.llm_from_hf={llm_dir}", f"init.vision_from_hf={tmp_path / 'siglip'}",
                                       "vision.film=false"])
     assert config.vision.bias and config.model.n_layers == 4
     builder = StepBuilder(config, Layout.for_config(config).make_mesh())
@@ -114,9 +115,9 @@ def test_vla_starts_from_llama_and_siglip(tmp_path):
 def test_siglip_config_mistakes_are_one_line_errors(tmp_path):
     make_siglip(tmp_path)
     with pytest.raises(ConfigError, match=r"vision.width=128 disagrees"):
-        load_config("vla_tiny", [f"init.vision_from_hf={tmp_path}", "vision.width=128", "vision.film=false"])
+        load_run_config("vla_tiny", [f"init.vision_from_hf={tmp_path}", "vision.width=128", "vision.film=false"])
     with pytest.raises(ConfigError, match="needs model.kind=vla"):
-        load_config("llama_tiny", [f"init.vision_from_hf={tmp_path}"])
+        load_run_config("llama_tiny", [f"init.vision_from_hf={tmp_path}"])
     with pytest.raises(ConfigError, match="vision.film adds weights"):
         hf_siglip.load_vision(tmp_path, dataclasses.replace(vision_config(tmp_path), film=True))
 
@@ -126,9 +127,9 @@ def test_biased_encoder_in_parallel_matches_one_device(tmp_path):
     ZeRO-2 (the per-head biases have no ZeRO dim and stay whole) equals one device: losses and gradients."""
     make_siglip(tmp_path)
     common = [f"init.vision_from_hf={tmp_path}", "vision.film=false", "train.global_batch_size=8"]
-    single = load_config("vla_tiny", common + ["mesh.dp=1", "mesh.pp=1", "mesh.tp=1", "pipeline.microbatches=1",
+    single = load_run_config("vla_tiny", common + ["mesh.dp=1", "mesh.pp=1", "mesh.tp=1", "pipeline.microbatches=1",
                                                "zero.stage=0", "vision.zero.stage=0"])
-    parallel = load_config("vla_tiny", common + ["vision.tp=2", "pipeline.microbatches=2"])
+    parallel = load_run_config("vla_tiny", common + ["vision.tp=2", "pipeline.microbatches=2"])
     results = []
     for config in (single, parallel):
         builder = StepBuilder(config, Layout.for_config(config).make_mesh())
@@ -163,7 +164,7 @@ def test_vla_export_writes_a_llama_and_a_siglip_that_transformers_loads(tmp_path
     from jaxpar.training.loop import train
 
     make_siglip(tmp_path / "siglip")
-    config = load_config("vla_tiny", [f"init.vision_from_hf={tmp_path / 'siglip'}", "vision.film=false",
+    config = load_run_config("vla_tiny", [f"init.vision_from_hf={tmp_path / 'siglip'}", "vision.film=false",
                                       "data.train=", "data.eval=", "data.generate=false", "train.steps=1",
                                       "eval.rollouts=0", "train.global_batch_size=8", "train.lr=0.01", "mesh.dp=2",
                                       "mesh.pp=1", "mesh.tp=2", "pipeline.microbatches=1"])  # export gathers any layout
@@ -249,7 +250,7 @@ def test_uint8_frames_through_the_data_path_give_transformers_features(tmp_path,
     frames[1] = np.linspace(0, 255, 40, dtype=np.uint8)[None, :, None]  # a smooth ramp too: not only noise
     write_lerobot_pngs(tmp_path / "data", frames)
 
-    config = load_config("vla_tiny", [f"init.vision_from_hf={tmp_path / 'siglip'}", "vision.film=false",
+    config = load_run_config("vla_tiny", [f"init.vision_from_hf={tmp_path / 'siglip'}", "vision.film=false",
                                       f"data.train={tmp_path / 'data'}", "data.eval=", "data.generate=false"])
     assert config.vision.image_mean == tuple(processor.image_mean) and config.vision.resize == "bicubic"
     source = pipeline.make_source(config, config.data.train)
@@ -297,7 +298,7 @@ def test_pixel_statistics_defaults_checks_and_old_checkpoints(tmp_path):
     del meta["vision"]["image_mean"], meta["vision"]["image_std"]
     assert fingerprint_mismatch(meta, plain) is None
     make_siglip(tmp_path)
-    siglip = load_config("vla_tiny", [f"init.vision_from_hf={tmp_path}", "vision.film=false"])
+    siglip = load_run_config("vla_tiny", [f"init.vision_from_hf={tmp_path}", "vision.film=false"])
     assert siglip.vision.image_mean == siglip.vision.image_std == (0.5, 0.5, 0.5)
     assert "vision" in fingerprint_mismatch(meta, dataclasses.replace(plain, vision=dataclasses.replace(
         plain.vision, image_mean=(0.5,) * 3, image_std=(0.5,) * 3)))

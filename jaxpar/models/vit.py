@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.config import VisionConfig
+from jaxpar.config import VisionConfig, image_tokens  # noqa: F401  (image_tokens: re-exported for the models)
 from jaxpar.layers.attention import kernel
 from jaxpar.layers.collectives import Collectives
 from jaxpar.layers.norm import layer_norm
@@ -55,10 +55,6 @@ INSTRUCTION_VOCAB = 256  # instructions are UTF-8 bytes (jaxpar.data.episodes.in
 
 def patches_per_image(cfg: VisionConfig) -> int:
     return (cfg.image_size // cfg.patch_size) ** 2
-
-
-def image_tokens(cfg: VisionConfig) -> int:
-    return cfg.cameras * patches_per_image(cfg)
 
 
 def block_axes(cfg: VisionConfig) -> dict:

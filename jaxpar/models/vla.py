@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config import ActionConfig, Config
+from jaxpar.config import vla_sequence_layout as sequence_layout  # (derived from the config alone)
 from jaxpar.layers.collectives import Collectives
 from jaxpar.models import llama, vit
 
@@ -47,13 +48,6 @@ class ActionTokenizer:
 
     def is_action(self, tokens) -> np.ndarray:
         return np.asarray(tokens) >= self.first_id
-
-
-def sequence_layout(config: Config) -> tuple[int, int, int]:
-    """(image tokens, prefix length = image + instruction tokens, LLM sequence length)."""
-    n_image = vit.image_tokens(config.vision)
-    prefix = n_image + config.actions.instruction_len
-    return n_image, prefix, prefix + config.actions.dims - 1
 
 
 def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, actions: np.ndarray) -> dict:

@@ -23,7 +23,6 @@ Every reduction moves gradients in `grad_reduce`'s dtype (fp32 unless the user p
   issued before layer i computes, in the forward and in the backward, and each layer's
   reduce-scatter deferred to overlap the next layer's backward.
 - `never_keep_gathered`: a remat policy never saves a gathered weight for the backward.
-- `pipeline_refusal`: stage 3 with a pipeline is refused (as in DeepSpeed).
 """
 
 from __future__ import annotations
@@ -94,15 +93,6 @@ class ZeroPlan:
         """Gradients reduced after their backward (stages 0-1, pipelined stage 2): once, or with a
         pipeline part by part as the schedule finishes each."""
         return self.dp > 1 and not self.gathers_weights and not self.taps_grads
-
-
-def pipeline_refusal(stage: int, pp: int) -> str | None:
-    """Why a stage cannot run with a pipeline of `pp` stages (None: it can). ZeRO-3 would gather every
-    stage's weights once per microbatch; DeepSpeed refuses the combination too."""
-    if stage >= 3 and pp > 1:
-        return (f"zero.stage=3 with mesh.pp={pp} is refused (as in DeepSpeed): use zero.stage 0, 1 or 2 with "
-                f"pipeline parallelism")
-    return None
 
 
 def reduce_gradients(grads, logical_axes, mesh_axes, scatter: bool, rules: Rules, dtype):

@@ -1,4 +1,4 @@
-"""Typed configuration: loading `configs/NAME.py`, `--config.KEY=VALUE` overrides, validation.
+"""Typed configuration: the schema, reading `configs/NAME.py` and `--config.KEY=VALUE` overrides.
 
 Configs follow the Flax/big_vision convention: a Python file whose `get_config()` returns an
 `ml_collections.ConfigDict` (or a plain dict). Inside the library the config is a tree of frozen
@@ -17,7 +17,7 @@ from typing import Any
 
 from jaxpar.errors import ConfigError
 
-REPO_CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+REPO_CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +312,18 @@ class Config:
 # ----------------------------------------------------------------------------- loading
 
 
+def image_tokens(vision: VisionConfig) -> int:
+    """The tokens a VLA's images become: patches per image x cameras."""
+    return vision.cameras * (vision.image_size // vision.patch_size) ** 2
+
+
+def vla_sequence_layout(config: Config) -> tuple[int, int, int]:
+    """(image tokens, prefix length = image + instruction tokens, LLM sequence length) of a VLA."""
+    n_image = image_tokens(config.vision)
+    prefix = n_image + config.actions.instruction_len
+    return n_image, prefix, prefix + config.actions.dims - 1
+
+
 def resolve_config_path(name: str) -> pathlib.Path:
     """A path as given, else `configs/NAME` (with or without .py) in the cwd or the repo."""
     candidates = [pathlib.Path(name)]
@@ -341,29 +353,17 @@ def load_config_dict(name: str) -> dict:
     return raw
 
 
-def load_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load `name`, apply `KEY=VALUE` overrides (keys like `mesh.tp`), return a validated Config."""
+def read_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """`name` with its `KEY=VALUE` overrides (keys like `mesh.tp`) applied, as written: not validated,
+    and a pretrained init's fields not yet read (jaxpar.config.load_config validates; a run that starts
+    from Hugging Face weights is assembled by jaxpar.interop.pretrained.load_run_config)."""
     tree = load_config_dict(name)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override '{item}' has no value; write --config.{item}=VALUE")
         set_by_path(tree, key, value)
-    config = from_dict(Config, tree)
-    if config.init.from_hf and config.init.llm_from_hf:
-        raise ConfigError("init.from_hf and init.llm_from_hf are the same setting; set one of them")
-    if config.init.llm_dir:
-        from jaxpar.interop.hf_llama import with_model_from_hf
-
-        config = with_model_from_hf(config)
-    if config.init.vision_from_hf:
-        if config.model.kind != "vla":
-            raise ConfigError("init.vision_from_hf needs model.kind=vla (the encoder is the VLA's)")
-        from jaxpar.interop.hf_siglip import with_vision_from_hf
-
-        config = with_vision_from_hf(config)
-    validate(config)
-    return config
+    return from_dict(Config, tree)
 
 
 def set_by_path(tree: dict, dotted_key: str, text: str) -> None:
@@ -465,7 +465,3 @@ def _a_type(field_type: type) -> str:
 
 def to_dict(config: Any) -> dict:
     return dataclasses.asdict(config)
-
-
-# Validation lives in jaxpar.config_checks; imported last because it reads the classes above.
-from jaxpar.config_checks import has_evaluation, pipeline_warning, profile_steps, validate  # noqa: E402,F401 (re-exported)

@@ -1,10 +1,11 @@
 """Config validation: every impossible setting fails at start, before JAX is imported, in one line
-that names the key and the fix. jaxpar.config re-exports `validate` and the helpers below."""
+that names the key and the fix. Plain arithmetic on the config: no model or JAX code is imported, so
+a mistake costs no JAX start-up. jaxpar.config re-exports `validate` and the helpers below."""
 
 from __future__ import annotations
 
-from jaxpar.config import (ATTENTION_KINDS, PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig,
-                           Config, VisionConfig)
+from jaxpar.config.schema import (ATTENTION_KINDS, PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig,
+                                  Config, VisionConfig, vla_sequence_layout)
 from jaxpar.errors import ConfigError
 
 def _require(ok: bool, message: str) -> None:
@@ -135,8 +136,7 @@ def _validate_sequence_parallel(config: Config) -> None:
                      "set mesh.tp > 1 or turn it off")
     seq, name = config.train.seq_len, "train.seq_len"
     if config.model.kind == "vla":
-        from jaxpar.models.vla import sequence_layout  # the models import this module
-        seq, name = sequence_layout(config)[2], "VLA sequence (image + instruction + action tokens)"
+        seq, name = vla_sequence_layout(config)[2], "VLA sequence (image + instruction + action tokens)"
     _require(seq % tp == 0, f"mesh.sequence_parallel=true splits the {name}={seq} over mesh.tp={tp}, which "
                             f"does not divide it; make it a multiple of {tp}")
 
@@ -234,11 +234,9 @@ def _validate_pipeline(config: Config) -> None:
     _require(config.train.grad_accum == 1, f"train.grad_accum={config.train.grad_accum} with mesh.pp={mesh.pp}: "
                                            f"the pipeline's microbatches accumulate gradients; set "
                                            f"pipeline.microbatches instead and train.grad_accum=1")
-    if config.zero.stage >= 3:  # (imported here: config is checked before JAX is imported)
-        from jaxpar.parallel.zero import pipeline_refusal
-
-        refusal = pipeline_refusal(config.zero.stage, mesh.pp)
-        _require(refusal is None, refusal)
+    # ZeRO-3 would gather every stage's weights once per microbatch; DeepSpeed refuses it too
+    _require(config.zero.stage < 3, f"zero.stage={config.zero.stage} with mesh.pp={mesh.pp} is refused (as in "
+                                    f"DeepSpeed): use zero.stage 0, 1 or 2 with pipeline parallelism")
     _validate_virtual_stages(config)
     _require(not (pipe.schedule == "zb" and pipe.stage_recompute),
              "pipeline.schedule=zb keeps each chunk's residuals for its weight-gradient (W) slot; "

@@ -1,0 +1,28 @@
+"""jaxpar's configuration, plain data: the schema and its reading (jaxpar.config.schema) and the
+validation (jaxpar.config.checks). Nothing here reads model code, JAX or a Hugging Face directory;
+a run whose weights start from Hugging Face is assembled by jaxpar.interop.pretrained.load_run_config.
+"""
+
+from jaxpar.config.checks import has_evaluation, pipeline_warning, profile_steps, validate
+from jaxpar.config.schema import (ATTENTION_KINDS, ONE_FOR_ALL, PIPELINE_SCHEDULES, REMAT_POLICIES, REPO_CONFIG_DIR,
+                                  RESIZE_FILTERS, ActionConfig, CheckpointConfig, CompileConfig, Config,
+                                  DataConfig, DebugConfig, EvalConfig, HardwareConfig, InitConfig, MeshConfig,
+                                  ModelConfig, OffloadConfig, PipelineConfig, ProfileConfig, RematConfig,
+                                  TrainConfig, VisionConfig, VisionZeroConfig, ZeroConfig, coerce, from_dict,
+                                  image_tokens, load_config_dict, parse_value, read_config, resolve_config_path,
+                                  schema_type, set_by_path, to_dict, vla_sequence_layout)
+from jaxpar.errors import ConfigError
+
+
+def load_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """`name` with its overrides, validated. A pretrained init (init.from_hf / llm_from_hf /
+    vision_from_hf) fills model and vision fields from its directory: load_run_config does that."""
+    config = read_config(name, overrides)
+    if config.init.llm_dir or config.init.vision_from_hf:
+        raise ConfigError("init.*from_hf reads the Hugging Face directory's config.json; load this config with "
+                          "jaxpar.interop.pretrained.load_run_config")
+    validate(config)
+    return config
+
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,31 @@
+"""Assemble a run's config when its weights start from Hugging Face: the model's and the vision
+tower's fields are read from the directories' config.json (and preprocessor_config.json) here, where
+the run is put together, so that jaxpar.config stays plain data that imports no interop code.
+"""
+
+from __future__ import annotations
+
+from jaxpar.config import Config, ConfigError, read_config, validate
+from jaxpar.interop.hf_llama import with_model_from_hf
+from jaxpar.interop.hf_siglip import with_vision_from_hf
+
+
+def with_pretrained_fields(config: Config) -> Config:
+    """`config` with model.* from init.from_hf's (or llm_from_hf's) config.json and vision.* from
+    init.vision_from_hf's; unchanged without a pretrained init. Not validated."""
+    if config.init.from_hf and config.init.llm_from_hf:
+        raise ConfigError("init.from_hf and init.llm_from_hf are the same setting; set one of them")
+    if config.init.llm_dir:
+        config = with_model_from_hf(config)
+    if config.init.vision_from_hf:
+        if config.model.kind != "vla":
+            raise ConfigError("init.vision_from_hf needs model.kind=vla (the encoder is the VLA's)")
+        config = with_vision_from_hf(config)
+    return config
+
+
+def load_run_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The validated config of a run: `name` with its overrides and its pretrained init's fields."""
+    config = with_pretrained_fields(read_config(name, overrides))
+    validate(config)
+    return config
