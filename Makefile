@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama_tiny.py --workdir runs/llama_tiny
 
-## XLA's GPU compiler for `--dry_run --gpu NAME` on a machine without a GPU (jaxpar/gpu_aot.py), in .gpu-aot/ outside
+## XLA's GPU compiler for `--dry_run --gpu NAME` on a machine without a GPU (jaxpar/compiler/gpu_aot.py), in .gpu-aot/ outside
 ## the venv: installed in it, the CUDA plugin makes every CPU-only JAX process print CUDA driver warnings.
 GPU_AOT := .gpu-aot
 GPU_AOT_STAMP := $(GPU_AOT)/.installed

@@ -21,7 +21,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                    usage_hint="--config NAME [--config.KEY=VALUE ...] [--gpu NAME] [--json] "
                                               "[--recommend --gpus N --gpus_per_node 8]")
     parser.add_argument("--config", required=True)
-    parser.add_argument("--gpu", default="a100-80gb", help="hardware profile (jaxpar/planner/hardware.py)")
+    parser.add_argument("--gpu", default="a100-80gb", help="hardware profile (jaxpar/compiler/hardware.py)")
     parser.add_argument("--hardware_json", default=None, help="JSON file or string overriding profile fields")
     parser.add_argument("--gpus_per_node", type=int, default=8)
     parser.add_argument("--gpus", type=int, default=None, help="with --recommend: cluster size")
@@ -35,7 +35,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def run(argv: list[str]) -> int:
     from jaxpar.interop.pretrained import load_run_config
-    from jaxpar.planner import hardware, recommend, report
+    from jaxpar.planner import recommend, report
+    from jaxpar.compiler import hardware
 
     args, overrides = parse_args(argv)
     hw = hardware.get(args.gpu, hardware.load_overrides(args.hardware_json))

@@ -3,7 +3,7 @@
     python -m jaxpar.train --config llama_tiny.py [--config.mesh.tp=4 ...] [--workdir DIR] [--dry_run]
 
 A config mistake prints one line naming the key and the fix and exits 2; no traceback.
-On GPUs the XLA flag bundle of jaxpar/xla_flags.py is merged into XLA_FLAGS before JAX starts (a flag
+On GPUs the XLA flag bundle of jaxpar/compiler/xla_flags.py is merged into XLA_FLAGS before JAX starts (a flag
 already in XLA_FLAGS wins), and the line saying so is printed. Training turns on JAX's persistent
 compilation cache in compile.cache_dir (default ~/.cache/jaxpar/xla; see enable_compilation_cache), so a
 restarted run loads its compiled step instead of compiling it again.
@@ -159,7 +159,7 @@ def run(argv: list[str]) -> int:
         check_paths(config)
         config = resolve_action_range(config, workdir, is_primary=launch_process_index(args.process_id) == 0)
 
-    from jaxpar.xla_flags import apply_gpu_bundle
+    from jaxpar.compiler.xla_flags import apply_gpu_bundle
 
     is_first = launch_process_index(args.process_id) == 0
     apply_gpu_bundle(announce=print if is_first else None, force=gpu is not None)  # before JAX starts: read once
@@ -172,7 +172,7 @@ def run(argv: list[str]) -> int:
     emulate_cpu_devices(1 if gpu is not None else layout.size // processes)  # before JAX touches a backend
     maybe_initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     if gpu is not None:
-        from jaxpar.gpu_aot import gpu_devices
+        from jaxpar.compiler.gpu_aot import gpu_devices
 
         mesh = layout.make_mesh(gpu_devices(gpu, layout.size, args.gpus_per_node))
     else:
@@ -182,12 +182,14 @@ def run(argv: list[str]) -> int:
     if jax.process_index() == 0:  # one writer; peers read the previous run's before JAX started (above)
         write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
     if args.dry_run:
-        from jaxpar.attention_choice import resolve_attention
-        from jaxpar.dry_run import dry_run, format_report, write_report
+        from jaxpar.compiler.attention_choice import resolve_attention
+        from jaxpar.compiler.dry_run import dry_run, format_report, write_report
 
         config, choice = resolve_attention(config, mesh)  # (training resolves it in jaxpar.training.loop.train)
         print(choice)
-        report = dry_run(config, mesh, gpu)
+        from jaxpar.planner.report import gpu_figures
+
+        report = dry_run(config, mesh, gpu, planner=gpu_figures)
         print(format_report(report))
         if jax.process_index() == 0:
             print(f"wrote {write_report(report, workdir)}")
@@ -218,7 +220,7 @@ def _gpu_target(args):
         raise ConfigError(f"--gpu={args.gpu} compiles for GPUs this machine does not have: add --dry_run")
     if args.num_processes not in (None, 1):
         raise ConfigError("--gpu compiles every device's program in one process: drop --num_processes")
-    from jaxpar import gpu_aot
+    from jaxpar.compiler import gpu_aot
 
     gpu = gpu_aot.target(args.gpu)
     gpu_aot.prepare_environment()

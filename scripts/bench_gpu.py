@@ -10,7 +10,7 @@ policy (none, dots, selective, full), `tpN`, `dpN`, `zeroK`; e.g. `cudnn-selecti
 in its own process, so one that runs out of memory or time costs only its own row; its result is one
 JSON line on the child's stdout. Writes OUT_DIR/bench_gpu.json and OUT_DIR/bench_gpu.md after every
 variant, so a killed run keeps its rows. On GPUs the children run with jaxpar's XLA flag bundle
-(jaxpar/xla_flags.py) merged into XLA_FLAGS; `--smoke` (CPU) reports variants that need a GPU
+(jaxpar/compiler/xla_flags.py) merged into XLA_FLAGS; `--smoke` (CPU) reports variants that need a GPU
 (cudnn) as skipped.
 
 Default variants, and why (the whole run must fit 5 minutes on one H200; a variant costs ~30 s of
@@ -103,15 +103,15 @@ def make_config(spec: dict, args) -> Config:
 
 
 def peak_flops(device_kind: str, override_tflops: float) -> tuple[float | None, str]:
-    """Peak dense bf16 FLOP/s of one device from jaxpar.planner.hardware, and where it came from."""
-    from jaxpar.planner import hardware
+    """Peak dense bf16 FLOP/s of one device from jaxpar.compiler.hardware, and where it came from."""
+    from jaxpar.compiler import hardware
 
     if override_tflops > 0:
         return override_tflops * 1e12, f"--peak_tflops {override_tflops:g}"
     for key in ("h200", "h100", "a100"):  # h200 first: GH200 / H200 names must not match h100
         if key in device_kind.lower():
             hw = hardware.get(key)
-            return hw.peak_flops, f"jaxpar.planner.hardware '{hw.name}': {hw.peak_tflops:g} TFLOP/s dense bf16"
+            return hw.peak_flops, f"jaxpar.compiler.hardware '{hw.name}': {hw.peak_tflops:g} TFLOP/s dense bf16"
     return None, f"no peak known for '{device_kind}': MFU not computed (pass --peak_tflops)"
 
 
@@ -140,10 +140,10 @@ def run_variant(args) -> None:
     """Build jaxpar's sharded step for one variant, compile it, time `steps` steps after `warmup`."""
     import jax
 
-    from jaxpar.attention_choice import resolve_attention
+    from jaxpar.compiler.attention_choice import resolve_attention
     from jaxpar.data.synthetic import SyntheticData
     from jaxpar.parallel.mesh import Layout
-    from jaxpar.metrics import model_flops_per_step
+    from jaxpar.models.flops import model_flops_per_step
     from jaxpar.parallel.step import StepBuilder
 
     spec = parse_variant(args.child, args.n_devices)
@@ -302,12 +302,12 @@ def run_all(args, start: float) -> int:
 def gpu_xla_flags(args, facts: dict) -> str:
     """On GPUs the children get jaxpar's XLA flag bundle merged into XLA_FLAGS (what jaxpar.train does),
     said once here; the parent decides from the probe, so it never starts a JAX backend itself."""
-    from jaxpar.xla_flags import merge
+    from jaxpar.compiler.xla_flags import merge
 
     if facts["platform"] != "gpu" or args.smoke:
         return os.environ.get("XLA_FLAGS", "")
     args.gpu_xla_flags, added, kept = merge(os.environ.get("XLA_FLAGS", ""))
-    print(f"bench_gpu: XLA flags for GPUs (jaxpar/xla_flags.py): {' '.join(added) or '(none added)'}"
+    print(f"bench_gpu: XLA flags for GPUs (jaxpar/compiler/xla_flags.py): {' '.join(added) or '(none added)'}"
           + (f"; yours kept: {' '.join(kept)}" if kept else ""), flush=True)
     return args.gpu_xla_flags
 

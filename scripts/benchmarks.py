@@ -19,7 +19,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxpar.config import ModelConfig, OffloadConfig, RematConfig, load_config  # noqa: E402
 from jaxpar.data.synthetic import synthetic_batch  # noqa: E402
-from jaxpar.dry_run import dry_run  # noqa: E402
+from jaxpar.compiler.dry_run import dry_run  # noqa: E402
 from jaxpar.parallel.mesh import Layout  # noqa: E402
 from jaxpar.parallel.step import StepBuilder  # noqa: E402
 
@@ -196,7 +196,7 @@ def _checkpoint_times(config, workdir, steps=8):
     import shutil
     import tempfile
 
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.parallel.checkpoint import Checkpointer
 
     step_fn, state, batch = compiled_step(config)
     pathlib.Path(workdir).mkdir(exist_ok=True)

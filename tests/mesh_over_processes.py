@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpar.hlo import collectives  # noqa: E402
+from jaxpar.compiler.hlo_collectives import collectives  # noqa: E402
 
 results = []
 for dp, tp in ((2, 4), (4, 2)):

@@ -7,7 +7,8 @@ while the other processes read it fine; for tests/test_checkpoint.py's agreement
 
 import sys
 
-from jaxpar import checkpoint, train
+from jaxpar import train
+from jaxpar.parallel import checkpoint
 
 fail_step, argv = int(sys.argv[1]), sys.argv[2:]
 process_id = int(argv[argv.index("--process_id") + 1])

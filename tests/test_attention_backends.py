@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config
-from jaxpar import attention_choice
-from jaxpar.attention_choice import Accelerator, choose_attention, resolve_attention
+from jaxpar.compiler import attention_choice
+from jaxpar.compiler.attention_choice import Accelerator, choose_attention, resolve_attention
 from jaxpar.config import ConfigError, ModelConfig, VisionConfig, load_config, validate
 from jaxpar.data.synthetic import synthetic_batch
 from jaxpar.layers import attention as attention_layer
@@ -217,7 +217,7 @@ def test_resolve_uses_the_capability_check_which_tests_can_stub(monkeypatch):
 def test_the_kernel_is_free_to_change_on_resume():
     """Checkpoints hold weights, which no kernel changes: one written before model.attention existed, or
     under another kernel, restores (the fingerprint leaves the attention fields out)."""
-    from jaxpar.checkpoint import _model_fingerprint, fingerprint_mismatch
+    from jaxpar.parallel.checkpoint import _model_fingerprint, fingerprint_mismatch
 
     saved = json.loads(json.dumps(_model_fingerprint(VLA)))
     assert "attention" not in saved["model"] and "attention" not in saved["vision"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, free_port, make_config
-from jaxpar.checkpoint import _model_fingerprint, fingerprint_mismatch
+from jaxpar.parallel.checkpoint import _model_fingerprint, fingerprint_mismatch
 from jaxpar.config import CheckpointConfig, DebugConfig, PipelineConfig, load_config
 from jaxpar.errors import ConfigError
 from jaxpar.training.loop import TrainingStopped, train
@@ -157,7 +157,7 @@ def test_a_restore_that_runs_out_of_memory_propagates_and_moves_nothing(tmp_path
     """Only unreadable files make a checkpoint 'unreadable': an out-of-memory error during a
     (resharded) restore is the layout's problem, not the checkpoint's, and must not cost it."""
     from jaxpar.training import loop
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.parallel.checkpoint import Checkpointer
 
     config = with_checkpoints(make_config(steps=2), every=2)
     train(config, builder_for(config).mesh, tmp_path, show_progress=False)

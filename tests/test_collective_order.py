@@ -3,7 +3,7 @@
 XLA:CPU deadlocks when two devices enter two collectives in different orders, and it may start any two
 collectives that no data or control path orders in either order (jaxpar/layers/order.py says why). So
 every compiled program jaxpar runs on CPU meshes must have, within each computation, a path between
-every pair of collective-holding instructions: jaxpar.hlo_order.unordered_pairs lists those without.
+every pair of collective-holding instructions: jaxpar.compiler.hlo_order.unordered_pairs lists those without.
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from conftest import TINY_MODEL, builder_for, make_config, replace
-from jaxpar import hlo_order
+from jaxpar.compiler import hlo_order
 from jaxpar.config import MeshConfig, PipelineConfig, RematConfig, load_config
 from jaxpar.layers import order
 from jaxpar.layers.order import after, chain

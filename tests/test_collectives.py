@@ -21,9 +21,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import TINY_MODEL, XLA_DEFAULT_CODEGEN, builder_for, make_config, tp_local_params
-from jaxpar import hlo
+from jaxpar.compiler import hlo_collectives
 from jaxpar.config import RematConfig
-from jaxpar.dry_run import local_param_count
+from jaxpar.compiler.dry_run import local_param_count
 from jaxpar.layers.collectives import after
 from jaxpar.models import llama
 
@@ -50,7 +50,7 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\
 def explicit_groups(text: str) -> str:
     """Rewrite XLA's `replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}` form (optionally with
     `device_ids=([2,4]T(1,0))`) into explicit `{{0,4},{1,5},...}` groups: a second, independent
-    reading of the form, which test_hlo_parser_reads_mesh_replica_groups holds jaxpar.hlo to, and
+    reading of the form, which test_hlo_parser_reads_mesh_replica_groups holds jaxpar.compiler.hlo_collectives to, and
     which the instruction-level checks below use."""
     def repl(m):
         names = [item.split("=")[0].strip().strip("'") for item in m.group(1).split(",")]
@@ -69,7 +69,7 @@ def explicit_groups(text: str) -> str:
 
 
 def colls(text: str, mesh) -> list[dict]:
-    return hlo.collectives(text, mesh)
+    return hlo_collectives.collectives(text, mesh)
 
 
 def total(entries, op, axis=None, dtype=None) -> tuple[int, float]:
@@ -83,7 +83,7 @@ def collective_instrs(comps: dict, name: str, into_loops: bool) -> list[dict]:
     out = []
     for ins in comps.get(name, []):
         base = ins["op"].removesuffix("-start")
-        if base in hlo.OPS:
+        if base in hlo_collectives.OPS:
             out.append(ins)
             continue
         callees = re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", ins["attrs"]) if ins["op"] in (
@@ -198,7 +198,7 @@ def test_forward_two_tp_all_reduces_per_layer(optimised):
 def test_forward_scan_body_and_vocab_parallel_reductions(optimised):
     mesh, pre, _ = forward(2)
     text = explicit_groups(forward_optimised(2) if optimised else pre)
-    comps, entry = hlo.parse_module(text)
+    comps, entry = hlo_collectives.parse_module(text)
 
     (body,) = while_bodies(comps, entry)  # the layer scan is the only loop
     in_layer = collective_instrs(comps, body, into_loops=True)
@@ -206,7 +206,7 @@ def test_forward_scan_body_and_vocab_parallel_reductions(optimised):
     for ins in in_layer:  # row-parallel outputs of attention and MLP: summed [B_local, S, D]
         assert array_shapes(ins) == [f"f32[{B // 2},{S},{D}]"]
         assert reducer(comps, ins) == "sum"
-        assert hlo.axis_label(hlo.parse_replica_groups(ins["attrs"], 8), mesh) == "tp"
+        assert hlo_collectives.axis_label(hlo_collectives.parse_replica_groups(ins["attrs"], 8), mesh) == "tp"
 
     outside = collective_instrs(comps, entry, into_loops=False)
     assert {i["op"] for i in outside} == {"all-reduce"}
@@ -327,15 +327,15 @@ def test_optimised_hlo_does_not_depend_on_backend_opt_level():
 
 def test_hlo_parser_reads_mesh_replica_groups():
     """Collectives XLA's partitioner adds (a sharding constraint's gather; jaxpar's step now writes its
-    own) print their groups as mesh axes; jaxpar.hlo reads them as the explicit groups."""
+    own) print their groups as mesh axes; jaxpar.compiler.hlo_collectives reads them as the explicit groups."""
     builder, _, _ = step(2, 4, 1)
     mesh = builder.mesh
     gather = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P())),
                      in_shardings=NamedSharding(mesh, P("dp", "tp")))
     text = gather.lower(jax.ShapeDtypeStruct((8, 16), jnp.float32)).compile().as_text()
     assert "replica_groups=mesh[" in text  # the optimised program does use the form
-    assert hlo.collectives(text, mesh) == hlo.collectives(explicit_groups(text), mesh)
-    assert {e["op"] for e in hlo.collectives(text, mesh)} == {"all-gather"}
+    assert hlo_collectives.collectives(text, mesh) == hlo_collectives.collectives(explicit_groups(text), mesh)
+    assert {e["op"] for e in hlo_collectives.collectives(text, mesh)} == {"all-gather"}
 
 
 # ----------------------------------------------------------------------------- 3. reduction dtypes

@@ -23,7 +23,7 @@ import jax
 import pytest
 
 from conftest import XLA_DEFAULT_CODEGEN, make_config, tp_local_params
-from jaxpar import dry_run as dr
+from jaxpar.compiler import dry_run as dr
 from jaxpar.config import MeshConfig, ModelConfig, ZeroConfig, load_config
 from jaxpar.parallel.mesh import Layout
 from jaxpar.parallel.step import StepBuilder

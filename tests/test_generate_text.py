@@ -1,4 +1,4 @@
-"""Text prompts and end of sequence as transformers reads them (jaxpar.inference.generate, jaxpar.interop.export,
+"""Text prompts and end of sequence as transformers reads them (jaxpar.inference.generate, jaxpar.export,
 jaxpar.data.text), against transformers itself.
 
 A tiny random LlamaForCausalLM (test_hf.make_hf_model) is saved next to a tiny Llama-3-shaped
@@ -20,7 +20,7 @@ torch = require("torch")
 transformers = require("transformers")
 tokenizers = require("tokenizers")
 
-from jaxpar.interop import export  # noqa: E402
+from jaxpar import export  # noqa: E402
 from jaxpar.inference import generate as gen  # noqa: E402
 from test_hf import make_hf_model  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The GPU dry run (issue 27): jaxpar's real train step compiled by XLA's GPU compiler, no GPU needed.
 
 Each test runs `python -m jaxpar.train --dry_run --gpu NAME` in a subprocess (the compiler's packages
-come from `make gpu-aot`, put on sys.path by jaxpar.gpu_aot before JAX starts) and reads what the
+come from `make gpu-aot`, put on sys.path by jaxpar.compiler.gpu_aot before JAX starts) and reads what the
 GPU program says: cuDNN attention calls, async collectives, the flag bundle accepted, the fit."""
 
 import json
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from jaxpar import gpu_aot
-from jaxpar.xla_flags import GPU_BUNDLE
+from jaxpar.compiler import gpu_aot
+from jaxpar.compiler.xla_flags import GPU_BUNDLE
 
 INSTALLED = gpu_aot.LOCAL_PACKAGES.is_dir() or not gpu_aot.missing_packages()
 if not INSTALLED and os.environ.get("CI", "").lower() != "true":  # CI must have it: `make test` installs it
@@ -48,7 +48,7 @@ def test_cudnn_attention_under_auto_none_with_xla_and_every_bundle_flag_accepted
     # XLA aborts on a flag it does not know, so a finished compile accepted every one the bundle set
     bundle_line = next(line for line in done.stdout.splitlines() if "XLA flags for GPUs" in line)
     assert all(f"--{name}=" in bundle_line for name, _, _ in GPU_BUNDLE)
-    # the schedule walk (jaxpar.gpu_program) sees the bytes the collectives reader (jaxpar.hlo) counts
+    # the schedule walk (jaxpar.compiler.gpu_program) sees the bytes the collectives reader (jaxpar.compiler.hlo_collectives) counts
     summed = {}
     for e in report["collectives"]:
         summed[(e["op"], e["axis"])] = summed.get((e["op"], e["axis"]), 0) + e["bytes"]
@@ -72,7 +72,7 @@ def test_cudnn_attention_under_auto_none_with_xla_and_every_bundle_flag_accepted
 def cudnn_attention_flops(config: dict, forward_calls_per_layer: int) -> float:
     """Matmul FLOPs of cuDNN attention on one device in one step, from the config (llama, pp = 1, one
     microbatch): per layer and call, the forward's QK^T and PV are 4 b h s^2 d over this device's batch
-    and heads, halved by the causal mask; the backward is 2.5 times that (jaxpar.hlo.fmha_flops)."""
+    and heads, halved by the causal mask; the backward is 2.5 times that (jaxpar.compiler.hlo_flops.fmha_flops)."""
     model, mesh, train = config["model"], config["mesh"], config["train"]
     batch, heads, seq = train["global_batch_size"] // mesh["dp"], model["n_heads"] // mesh["tp"], train["seq_len"]
     forward = 4 * batch * heads * seq * seq * (model["d_model"] // model["n_heads"]) / 2

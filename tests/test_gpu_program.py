@@ -1,4 +1,4 @@
-"""The scheduled-program walk (jaxpar.gpu_program) on small hand-written GPU programs, whose times follow
+"""The scheduled-program walk (jaxpar.compiler.gpu_program) on small hand-written GPU programs, whose times follow
 from the model in its docstring with pencil and paper: what overlaps, what waits, loops, links."""
 
 import types
@@ -6,9 +6,9 @@ import types
 import numpy as np
 import pytest
 
-from jaxpar import gpu_program
-from jaxpar.gpu_program import COLLECTIVE_LATENCY_S, KERNEL_LAUNCH_S, MATMUL_EFFICIENCY, read_schedule
-from jaxpar.planner import hardware
+from jaxpar.compiler import gpu_program
+from jaxpar.compiler.gpu_program import COLLECTIVE_LATENCY_S, KERNEL_LAUNCH_S, MATMUL_EFFICIENCY, read_schedule
+from jaxpar.compiler import hardware
 
 H100 = hardware.get("h100")
 N = 1024

@@ -67,7 +67,7 @@ def test_dry_run_counts_one_kv_head_per_rank_and_reduces_it_over_its_sharers():
     out here by hand), and the compiled step sums the KV gradients over the tp / K = 2 ranks sharing a
     head ("tpv"), not over all of tp."""
     from conftest import builder_for
-    from jaxpar import dry_run as dr
+    from jaxpar.compiler import dry_run as dr
     from jaxpar.planner.memory import local_params
 
     model = dataclasses.replace(TINY_MODEL, n_kv_heads=2)

@@ -158,7 +158,7 @@ def test_streaming_reads_only_each_devices_slice(tmp_path, monkeypatch):
 
 def test_export_of_a_trained_run_loads_in_transformers(tmp_path, capsys):
     from jaxpar.inference import loader
-    from jaxpar.interop import export
+    from jaxpar import export
     from jaxpar.training.loop import train
 
     make_hf_model(tmp_path / "hf", "gqa")
@@ -184,7 +184,7 @@ def test_export_of_a_trained_run_loads_in_transformers(tmp_path, capsys):
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     single = loader.single_device(config)
     state = builder_for(single)
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.parallel.checkpoint import Checkpointer
     restored, step, _ = Checkpointer(run_dir, single).restore(state.abstract_state())
     assert step == 2
     params = state.to_model_order(jax.device_get(restored.params))

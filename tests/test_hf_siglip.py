@@ -160,7 +160,7 @@ def test_vla_export_writes_a_llama_and_a_siglip_that_transformers_loads(tmp_path
 
     from safetensors.numpy import load_file
 
-    from jaxpar.interop import export
+    from jaxpar import export
     from jaxpar.training.loop import train
 
     make_siglip(tmp_path / "siglip")
@@ -271,7 +271,7 @@ def test_pixel_statistics_defaults_checks_and_old_checkpoints(tmp_path):
     std 1; a checkpoint trained with other statistics is refused."""
     import json
 
-    from jaxpar.checkpoint import _model_fingerprint, fingerprint_mismatch
+    from jaxpar.parallel.checkpoint import _model_fingerprint, fingerprint_mismatch
     from jaxpar.config import Config, from_dict
 
     plain = load_config("vla_tiny")

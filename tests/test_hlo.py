@@ -8,7 +8,8 @@ import pytest  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxpar.hlo import axis_label, collectives, executed_flops, parse_replica_groups, summarize  # noqa: E402
+from jaxpar.compiler.hlo_collectives import axis_label, collectives, parse_replica_groups, summarize  # noqa: E402
+from jaxpar.compiler.hlo_flops import executed_flops  # noqa: E402
 
 AUTO = (jax.sharding.AxisType.Auto,) * 3
 
@@ -457,7 +458,7 @@ ENTRY %main (q: bf16[2,64,4,32], kv: bf16[2,64,2,32], qn: bf16[2,4,64,32], vn: b
 
 
 def test_flops_of_cudnn_attention_forward_backward_causal_gqa_and_layouts():
-    """jaxpar.hlo.fmha_flops: forward S = QK^T and O = PV, 2 n (d_qk + d_v) for the n = b h s_q s_kv scores;
+    """jaxpar.compiler.hlo_flops.fmha_flops: forward S = QK^T and O = PV, 2 n (d_qk + d_v) for the n = b h s_q s_kv scores;
     backward S again, dV, dP, dQ, dK: 2 n (3 d_qk + 2 d_v) = 2.5 x the forward when d_qk = d_v; causal
     halves both. The call that cannot be read is named, not guessed."""
     n = 2 * 4 * 64 * 64  # the scores: batch 2, 4 query heads (GQA's 2 KV heads change no product), 64 x 64

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P  # noqa: E402
 
 from conftest import free_port  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
-from jaxpar.hlo import collectives  # noqa: E402
+from jaxpar.compiler.hlo_collectives import collectives  # noqa: E402
 from jaxpar.parallel.mesh import AXES, Layout, split_over_processes  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

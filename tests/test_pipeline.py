@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config
-from jaxpar import hlo
+from jaxpar.compiler import hlo_collectives
 from jaxpar.config import ModelConfig, PipelineConfig, RematConfig
-from jaxpar.dry_run import dry_run
+from jaxpar.compiler.dry_run import dry_run
 from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
 
 FOUR_LAYERS = dataclasses.replace(TINY_MODEL, n_layers=4)
@@ -132,16 +132,16 @@ def ticks_after_each_dp_reduction(config) -> tuple[collections.Counter, int]:
     its inputs, i.e. could overlap it; and the ticks of all the scans beside it."""
     builder = builder_for(config)
     lowered = builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch())
-    comps, _ = hlo.parse_module(lowered.as_text(dialect="hlo"))
+    comps, _ = hlo_collectives.parse_module(lowered.as_text(dialect="hlo"))
     after, ticks = collections.Counter(), set()
     for instrs in comps.values():
         by_name = {i["name"]: i for i in instrs}
-        scans = {i["name"]: hlo._while_parts(comps, i, by_name)[1] for i in instrs if i["op"] == "while"}
+        scans = {i["name"]: hlo_collectives._while_parts(comps, i, by_name)[1] for i in instrs if i["op"] == "while"}
         for ins in instrs:
             if ins["op"] not in ("all-reduce", "reduce-scatter") or not scans or ins["shape"].startswith("f32[]"):
                 continue
-            groups = hlo.parse_replica_groups(ins["attrs"], config.mesh.dp * config.mesh.pp * config.mesh.tp)
-            if hlo.axis_label(groups, builder.mesh) != "dp":
+            groups = hlo_collectives.parse_replica_groups(ins["attrs"], config.mesh.dp * config.mesh.pp * config.mesh.tp)
+            if hlo_collectives.axis_label(groups, builder.mesh) != "dp":
                 continue
             inputs, stack = set(), [ins["name"]]
             while stack:

@@ -17,10 +17,11 @@ import jax
 import pytest
 
 from conftest import builder_for, make_config
-from jaxpar import dry_run as dr
+from jaxpar.compiler import dry_run as dr
 from jaxpar.config import (Config, MeshConfig, ModelConfig, PipelineConfig, RematConfig, TrainConfig, ZeroConfig,
                            load_config, validate)
-from jaxpar.planner import cost, hardware, memory, recommend
+from jaxpar.planner import cost, memory, recommend
+from jaxpar.compiler import hardware
 from test_dry_run import hand_train_flops
 
 # vla70b's default layout until 2026-12-02 (the seed's table 6.2, configs/vla70b.py's docstring): these tests' subject
@@ -209,7 +210,7 @@ def test_stage_recompute_runs_each_stage_forward_once_more():
 
 
 # ----------------------------------------------------------------------------- FLOPs against the dry run
-# The planner's matmul count against jaxpar.hlo.executed_flops of the compiled step (fast compile: the HLO
+# The planner's matmul count against jaxpar.compiler.hlo_flops.executed_flops of the compiled step (fast compile: the HLO
 # is the same). Model FLOPs per device (metrics.model_flops_per_step on both sides) and the bubble fraction
 # (the dry run reports cost.bubble_fraction) are checked against hand counts, not against each other.
 # Sequences of 512 make the attention scores ~45% of a layer, so selective remat's recomputed QK^T

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config
 from jaxpar.config import ModelConfig, OffloadConfig, PipelineConfig, RematConfig
-from jaxpar.dry_run import dry_run
+from jaxpar.compiler.dry_run import dry_run
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.remat import LINEAR_OUTPUTS, POLICIES
 from jaxpar.parallel.step import HOST, _check_host_memory

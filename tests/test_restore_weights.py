@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config, replace
-from jaxpar.interop import export
-from jaxpar.checkpoint import Checkpointer
+from jaxpar import export
+from jaxpar.parallel.checkpoint import Checkpointer
 from jaxpar.config import PipelineConfig, to_dict
 
 
@@ -57,7 +57,7 @@ def test_restore_weights_reads_the_weights_of_any_layout_in_model_order(tmp_path
 SAVE_SCRIPT = textwrap.dedent("""
     import ctypes, json, mmap, os, pathlib, sys, zlib
     import jax, numpy as np
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.parallel.checkpoint import Checkpointer
     from jaxpar.config import Config, from_dict
     from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder
@@ -103,7 +103,7 @@ SAVE_SCRIPT = textwrap.dedent("""
 RSS_SCRIPT = textwrap.dedent("""
     import json, os, pathlib, sys, threading, time, zlib
     import jax, jax.numpy as jnp, numpy as np
-    from jaxpar.interop import export
+    from jaxpar import export
     jnp.ones(8).block_until_ready()  # the runtime is up before the baseline
     def status(field):  # VmHWM: this process's peak resident memory (ru_maxrss would carry the forking parent's)
         line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))

@@ -184,7 +184,7 @@ def tiny_vla(tmp_path_factory):
     """vla_tiny with 2 LLM layers on one device, saved as a run directory as the training loop leaves
     it (config.json + a checkpoint). The state is random numpy of the abstract state's shapes:
     jitting the real init costs ~20 CPU-seconds of compilation and tests nothing here."""
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.parallel.checkpoint import Checkpointer
     from jaxpar.config import load_config
     from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder
@@ -235,7 +235,7 @@ def test_rollouts_on_the_training_layout_follow_the_one_device_trajectories(tiny
     """The training loop's rollouts (eval.rollouts) run the weights where training holds them: the
     checkpoint restored onto vla_tiny's (2, 2, 2) 1F1B layout with ZeRO-1 steps every scene along
     the same cells as the one-device policy, so the success rate is the same."""
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.parallel.checkpoint import Checkpointer
     from jaxpar.config import load_config
     from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder

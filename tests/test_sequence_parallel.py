@@ -12,7 +12,7 @@ import pytest
 
 from conftest import builder_for, make_config
 from jaxpar.config import validate
-from jaxpar.dry_run import dry_run
+from jaxpar.compiler.dry_run import dry_run
 from jaxpar.errors import ConfigError
 from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
 import test_vla

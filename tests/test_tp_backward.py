@@ -19,9 +19,9 @@ XLA may combine several all-reduces into one tuple all-reduce: each operand keep
 op_names are joined as `prefix/(a:b)`), the instruction keeps one stack frame (its first operand's).
 So operands are counted, not only instructions: when `enter_tensor_parallel` is made the identity
 (JAX then reduces the gradient of each use: q, k, v, gate, up), XLA combines the 5 backward
-all-reduces of a layer into 2 tuple all-reduces and the instruction count (jaxpar.hlo's "count")
+all-reduces of a layer into 2 tuple all-reduces and the instruction count (jaxpar.compiler.hlo_collectives's "count")
 stays 4 per layer; only the operands (and bytes) show it. The dp axis (the gradient reduction,
-ZeRO 0) is told from tp by jaxpar.hlo's replica-group axis labels.
+ZeRO 0) is told from tp by jaxpar.compiler.hlo_collectives's replica-group axis labels.
 """
 
 import dataclasses
@@ -33,7 +33,7 @@ from collections import Counter
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config, tp_local_params
-from jaxpar import hlo
+from jaxpar.compiler import hlo_collectives
 from jaxpar.config import RematConfig
 
 DP, TP, LAYERS = 2, 4, 3  # 3 layers: a per-layer count cannot pass as a fixed one
@@ -109,7 +109,7 @@ def _op_names(op_name: str) -> list[str]:
 def executed_collectives(text: str, mesh) -> list[dict]:
     """Every collective instruction the step runs: {op, axis, loop, times, operands}, operands a list
     of (phase, what, shape). loop: "forward" / "backward" (the layer scans) or None (outside)."""
-    comps, entry = hlo.parse_module(text)
+    comps, entry = hlo_collectives.parse_module(text)
     chain = stack_frames(text)
     out = []
 
@@ -117,23 +117,23 @@ def executed_collectives(text: str, mesh) -> list[dict]:
         instrs = {i["name"]: i for i in comps[name]}
         for ins in comps[name]:
             op = ins["op"].removesuffix("-start")
-            if op in hlo.OPS:
+            if op in hlo_collectives.OPS:
                 meta = re.search(r'op_name="([^"]*)".*?stack_frame_id=(\d+)', ins["attrs"])
                 shapes = [f"{m.group(1)}[{m.group(2)}]" for m in re.finditer(r"([a-z]\w*)\[([\d,]*)\]", ins["shape"])]
                 names = _op_names(meta.group(1))
                 names = names if len(names) == len(shapes) else names[:1] * len(shapes)
                 source = what(chain(int(meta.group(2))))
                 sources = [source] if len(shapes) == 1 else [None] * len(shapes)  # one frame per instruction
-                axis = hlo.axis_label(hlo.parse_replica_groups(ins["attrs"], mesh.devices.size), mesh)
+                axis = hlo_collectives.axis_label(hlo_collectives.parse_replica_groups(ins["attrs"], mesh.devices.size), mesh)
                 out.append({"op": op, "axis": axis, "loop": loop, "times": times,
                             "operands": [(_phase(n), s, sh) for n, s, sh in zip(names, sources, shapes)],
                             "frame": source})
             elif ins["op"] == "while":
-                body, trips = hlo._while_parts(comps, ins, instrs)
+                body, trips = hlo_collectives._while_parts(comps, ins, instrs)
                 phase = _phase(re.search(r'op_name="([^"]*)"', ins["attrs"]).group(1))
                 walk(body, phase, times * trips)
             else:
-                for callee in hlo._called(ins):
+                for callee in hlo_collectives._called(ins):
                     walk(callee, loop, times)
 
     walk(entry, None, 1)
@@ -204,8 +204,8 @@ def test_compiled_step_runs_two_tp_all_reduces_per_layer_forward_and_two_backwar
     combined = sorted((c["frame"], sorted(c["operands"], key=str)) for c in outside if len(c["operands"]) > 1)
     assert combined == [("head in", [("backward", None, ACT), ("forward", None, ROW)])]  # + the target logit (ce)
 
-    # what jaxpar.hlo (the dry-run report) counts per call: exactly these, loops times their trips
-    (report,) = [e for e in hlo.collectives(text, mesh) if e["axis"] == "tp"]
+    # what jaxpar.compiler.hlo_collectives (the dry-run report) counts per call: exactly these, loops times their trips
+    (report,) = [e for e in hlo_collectives.collectives(text, mesh) if e["axis"] == "tp"]
     assert report["count"] == LAYERS * sum(per_layer.values()) + 4
 
     # dp: ZeRO 0's gradient all-reduce runs once, after the backward scan: no dp traffic per layer
@@ -213,5 +213,5 @@ def test_compiled_step_runs_two_tp_all_reduces_per_layer_forward_and_two_backwar
     assert all(c["loop"] is None and c["times"] == 1 for c in dp)
     shapes = Counter(op[2] for c in dp for op in c["operands"])
     assert (shapes[SCALAR], sum(shapes.values())) == (2, 2 + 12)  # token count, loss; 12 gradients
-    n_bytes = sum(e["bytes"] for e in hlo.collectives(text, mesh) if e["axis"] == "dp")
+    n_bytes = sum(e["bytes"] for e in hlo_collectives.collectives(text, mesh) if e["axis"] == "dp")
     assert n_bytes == 4 * tp_local_params(dataclasses.replace(TINY_MODEL, n_layers=LAYERS), TP) + 2 * 4

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config
-from jaxpar.checkpoint import Checkpointer
+from jaxpar.parallel.checkpoint import Checkpointer
 from jaxpar.config import CheckpointConfig, DataConfig, EvalConfig
 from jaxpar.data.text import prepare_text, read_meta
 from jaxpar.training.loop import train

@@ -245,7 +245,7 @@ def test_vla_config_mistakes_are_one_line_errors(changes, expected):
 
 
 def test_dry_run_reports_each_component():
-    from jaxpar.dry_run import dry_run
+    from jaxpar.compiler.dry_run import dry_run
 
     report = dry_run(BASE, builder(BASE).mesh)
     llm, vision = report["components"]["llm"], report["components"]["vision+projector"]

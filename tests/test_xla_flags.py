@@ -1,4 +1,4 @@
-"""jaxpar/xla_flags.py: the GPU flag bundle is merged under the user's XLA_FLAGS, applied only for GPU
+"""jaxpar/compiler/xla_flags.py: the GPU flag bundle is merged under the user's XLA_FLAGS, applied only for GPU
 runs (decided without starting JAX), and every flag in it is one this jaxlib knows."""
 
 import os
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from jaxpar import xla_flags
-from jaxpar.xla_flags import GPU_BUNDLE, apply_gpu_bundle, bundle_tokens, flag_name, merge, runs_on_gpu
+from jaxpar.compiler import xla_flags
+from jaxpar.compiler.xla_flags import GPU_BUNDLE, apply_gpu_bundle, bundle_tokens, flag_name, merge, runs_on_gpu
 
 TINY_JAX = "import jax.numpy as jnp; print(float((jnp.arange(4.0) @ jnp.arange(4.0))))"
 
@@ -93,7 +93,7 @@ def test_every_bundle_flag_is_known_to_this_jaxlib():
 
 def test_module_cli_prints_the_merged_flags_for_shell_scripts():
     env = {**os.environ, "XLA_FLAGS": "--xla_gpu_enable_pipelined_all_reduce=false"}
-    out = subprocess.run([sys.executable, "-m", "jaxpar.xla_flags", "--gpu"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "jaxpar.compiler.xla_flags", "--gpu"], env=env, capture_output=True, text=True,
                          timeout=60, check=True).stdout.strip()
     assert out == merge("--xla_gpu_enable_pipelined_all_reduce=false")[0]
     assert "--xla_gpu_enable_pipelined_all_reduce=true" not in out

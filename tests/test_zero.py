@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config, replace
-from jaxpar import hlo
+from jaxpar.compiler import hlo_collectives
 from jaxpar.config import RematConfig, ZeroConfig
 from jaxpar.layers.order import ordering
 from test_equivalence import LOSS_RTOL, assert_grads_close, batches, run
@@ -57,7 +57,7 @@ def _computes(comps: dict, ins: dict, memo: dict) -> bool:
     """A matmul, or a fusion / call whose computation (recursively) has one."""
     if ins["op"] in ("dot", "convolution"):
         return True
-    for called in hlo._called(ins):
+    for called in hlo_collectives._called(ins):
         if called not in memo:
             memo[called] = False
             memo[called] = any(_computes(comps, i, memo) for i in comps.get(called, []))
@@ -69,7 +69,7 @@ def _computes(comps: dict, ins: dict, memo: dict) -> bool:
 def loop_collectives(text: str, ops: tuple[str, ...]) -> list[dict]:
     """Each `ops` collective inside a while-loop body of the compiled program, with whether a matmul
     of the same iteration is among its inputs (`after_compute`) or consumes it (`feeds_compute`)."""
-    comps, _ = hlo.parse_module(text)
+    comps, _ = hlo_collectives.parse_module(text)
     bodies = {m for instrs in comps.values() for i in instrs if i["op"] == "while"
               for m in re.findall(r"body=%?([\w.\-]+)", i["attrs"])}
     memo, out = {}, []

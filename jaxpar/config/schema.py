@@ -81,7 +81,7 @@ class ModelConfig:
     prefix_lm: bool = True  # vla: image + instruction attend bidirectionally, actions causally
     text_loss: bool = False  # vla: also train on the instruction tokens, not only the actions
     # attention kernel: auto (cuDNN flash attention where it can run, else XLA), xla, cudnn; resolved for
-    # the run's devices at start (jaxpar.attention_choice), the ViT's too unless vision.attention is set
+    # the run's devices at start (jaxpar.compiler.attention_choice), the ViT's too unless vision.attention is set
     attention: str = "auto"
     # Llama 3 RoPE scaling (HF rope_type "llama3"); factor 0 turns it off (Llama 2 and before)
     rope_scaling_factor: float = 0.0
@@ -111,8 +111,8 @@ class RematConfig:
 
 REMAT_POLICIES = ("none", "dots", "selective", "offload", "full")  # jaxpar.parallel.remat
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb")
-ATTENTION_KINDS = ("auto", "xla", "cudnn")  # jaxpar.attention_choice
-# vision.resize: "area" (box down, bilinear up) or a PIL resampling filter (jaxpar.data.lerobot.resize)
+ATTENTION_KINDS = ("auto", "xla", "cudnn")  # jaxpar.compiler.attention_choice
+# vision.resize: "area" (box down, bilinear up) or a PIL resampling filter (jaxpar.data.video.resize)
 RESIZE_FILTERS = ("area", "nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
 
 
@@ -155,7 +155,7 @@ class VisionConfig:
     # preprocessor_config.json, else SigLIP's 0.5 / 0.5, i.e. [-1, 1] (jaxpar.interop.hf_siglip).
     image_mean: tuple[float, ...] = (0.0,)
     image_std: tuple[float, ...] = (1.0,)
-    # How a LeRobot dataset's frames are resized to image_size (jaxpar.data.lerobot.resize): "area" (box
+    # How a LeRobot dataset's frames are resized to image_size (jaxpar.data.video.resize): "area" (box
     # filter down, bilinear up) or a PIL filter (bicubic, bilinear, ...); init.vision_from_hf sets the
     # processor's (SigLIP: bicubic)
     resize: str = "area"
@@ -258,7 +258,7 @@ class OffloadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HardwareConfig:
-    """Peak dense bf16 FLOP/s for MFU; `peak_tflops` overrides the table in jaxpar.metrics."""
+    """Peak dense bf16 FLOP/s for MFU; `peak_tflops` overrides the table in jaxpar.training.metrics."""
 
     peak_tflops: float = 0.0
 

@@ -44,25 +44,23 @@ Differences from lerobot, on purpose: a video frame matches the decoded frame ne
 from __future__ import annotations
 
 import collections
-import fractions
 import io
 import json
 import pathlib
 import threading
 
-import av
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
 from jaxpar.data.episodes import instruction_bytes
+from jaxpar.data.video import FIX, FrameCache, decode_video, resize
 from jaxpar.errors import ConfigError
 
 VERSIONS = ("v2.0", "v2.1", "v3.0")
 CACHE_BYTES = 256 << 20  # decoded frames kept per source (per grain worker)
 CAMERA_DTYPES = ("video", "image")
-FIX = "re-download or re-convert the dataset"
 
 
 def is_lerobot(path) -> bool:
@@ -259,61 +257,7 @@ def compute_action_quantiles(directory, action_key: str = "action") -> tuple[np.
     return q01.astype(np.float32), q99.astype(np.float32)
 
 
-# ----------------------------------------------------------------------------- decoding
-
-
-def resize(image: Image.Image, size: int, method: str = "area") -> np.ndarray:
-    """uint8 [size, size, 3], untouched at size. `method` (vision.resize): "area" is the box filter (the
-    area average) down and bilinear up, jaxpar's choice for an encoder trained from scratch; any other
-    is that PIL filter, used both ways. An encoder from Hugging Face (init.vision_from_hf) gets its
-    image processor's filter, bicubic for SigLIP (SiglipImageProcessor resizes the uint8 image with PIL
-    BICUBIC before rescaling), so the frames it sees are resampled as the ones it was trained on."""
-    if image.size != (size, size):
-        if method == "area":
-            shrink = image.size[0] >= size and image.size[1] >= size
-            image = image.resize((size, size), Image.BOX if shrink else Image.BILINEAR)
-        else:
-            image = image.resize((size, size), Image.Resampling[method.upper()])
-    return np.asarray(image.convert("RGB"), np.uint8)
-
-
-def decode_video(path: pathlib.Path, times: np.ndarray, size: int, tolerance: float,
-                 method: str = "area") -> np.ndarray:
-    """uint8 [len(times), size, size, 3]: the frames nearest `times` (seconds in the file), from one
-    seek to the keyframe before the first and one forward decode through the last."""
-    got_t, got = [], []
-    try:
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            first, last = float(times.min()), float(times.max())
-            time_base = as_fraction(stream.time_base)
-            container.seek(max(int(first / time_base) - 1, 0), backward=True, any_frame=False, stream=stream)
-            for frame in container.decode(stream):
-                if frame.pts is None:
-                    continue
-                t = float(frame.pts * time_base)
-                if t >= first - tolerance:
-                    got_t.append(t)
-                    got.append(resize(frame.to_image(), size, method))
-                if t >= last - tolerance:
-                    break
-    except (av.FFmpegError, IndexError, OSError) as err:
-        raise ConfigError(f"{path}: cannot decode the video ({err}); {FIX}") from None
-    if not got:
-        raise ConfigError(f"{path}: no frame at or after t={times.min():.4f}s: the frame indices / timestamps in the "
-                          f"parquet run past the video's end; {FIX}")
-    got_t = np.asarray(got_t)  # presentation order: ascending
-    after = np.clip(np.searchsorted(got_t, times), 0, len(got_t) - 1)
-    before = np.maximum(after - 1, 0)
-    nearest = np.where(np.abs(got_t[before] - times) < np.abs(got_t[after] - times), before, after)
-    off = np.abs(got_t[nearest] - times)
-    if off.max() > tolerance:
-        bad = int(off.argmax())
-        raise ConfigError(f"{path}: no frame within {tolerance:.4f}s of t={times[bad]:.4f}s (nearest decoded: "
-                          f"{got_t[nearest[bad]]:.4f}s, last decoded: {got_t[-1]:.4f}s): the parquet's timestamps run "
-                          f"past the video's end or disagree with it; {FIX}")
-    return np.stack([got[i] for i in nearest])
+# ----------------------------------------------------------------------------- images in parquet
 
 
 def decode_pngs(path: pathlib.Path, key: str, episode: int, rows: slice, size: int,
@@ -328,29 +272,6 @@ def decode_pngs(path: pathlib.Path, key: str, episode: int, rows: slice, size: i
         except (OSError, TypeError, KeyError) as err:
             raise ConfigError(f"{path}: episode {episode}'s '{key}' is not a readable PNG ({err}); {FIX}") from None
     return np.stack(images)
-
-
-class FrameCache:
-    """Decoded segments, least recently used dropped first once they pass `limit` bytes."""
-
-    def __init__(self, limit: int):
-        self.limit, self.bytes, self.items = limit, 0, collections.OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, key):
-        with self.lock:
-            value = self.items.get(key)
-            if value is not None:
-                self.items.move_to_end(key)
-            return value
-
-    def put(self, key, value: np.ndarray) -> None:
-        with self.lock:
-            if key in self.items:
-                return
-            self.items[key], self.bytes = value, self.bytes + value.nbytes
-            while self.bytes > self.limit and len(self.items) > 1:
-                self.bytes -= self.items.popitem(last=False)[1].nbytes
 
 
 # ----------------------------------------------------------------------------- the source
@@ -528,8 +449,3 @@ class LeRobotSource:
             raise ConfigError(f"{path}: {action_key} q01 / q99 have {q01.size} / {q99.size} values, not {dims}; "
                               f"{FIX} or delete it")
         return q01, q99
-
-
-def as_fraction(rate) -> fractions.Fraction:
-    """A PyAV rational as a Fraction: PyAV up to 18 returns Fraction, 19 its own AVRational (no int())."""
-    return fractions.Fraction(rate.numerator, rate.denominator)

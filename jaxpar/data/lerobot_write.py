@@ -89,7 +89,7 @@ import shutil
 import numpy as np
 
 from jaxpar.data.episodes import DONE_MARKER, iter_split, write_scenes
-from jaxpar.data.lerobot import as_fraction
+from jaxpar.data.video import as_fraction
 from jaxpar.errors import ConfigError
 
 CODEBASE_VERSION = "v3.0"

@@ -1,6 +1,6 @@
 """A trained run, read back: its weights on one device (whatever layout wrote them), its tokenizer
 and the ids its sequences end with. Shared by generation (jaxpar.inference.generate), rollouts
-(jaxpar.robot.rollout) and the Hugging Face export (jaxpar.interop.export).
+(jaxpar.robot.rollout) and the Hugging Face export (jaxpar.export).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def restore_weights(workdir: pathlib.Path, step: int | None = None):
 
     import jax
 
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.parallel.checkpoint import Checkpointer
     from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder
 

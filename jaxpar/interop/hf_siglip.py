@@ -19,7 +19,7 @@ MAP pooling head is not used (a VLA feeds every patch token to the projector, as
 Pixels: SigLIP was trained on (x / 255 - 0.5) / 0.5 (SiglipImageProcessor: bicubic resize to
 image_size, rescale by 1/255, normalise with image_mean = image_std = 0.5), not on jaxpar's x / 255.
 `with_vision_from_hf` therefore also sets vision.image_mean / image_std (applied in the encoder,
-jaxpar.models.vit.normalise) and vision.resize (applied to LeRobot frames, jaxpar.data.lerobot.resize)
+jaxpar.models.vit.normalise) and vision.resize (applied to LeRobot frames, jaxpar.data.video.resize)
 from the directory's preprocessor_config.json, or SigLIP's values where it has none
 (`preprocessing_fields`); `write_vision` writes them back into one.
 

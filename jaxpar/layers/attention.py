@@ -4,7 +4,7 @@ Q/K/V projections are column-parallel (each tp rank owns n_heads/tp query heads 
 KV heads, or, with more ranks than KV heads, the one KV head its query heads share; no collective); the output projection is row-parallel (one all-reduce over tp).
 
 The core attention runs on the kernel the caller names (`implementation`, plain data resolved at
-start by jaxpar.attention_choice): "xla" (jax's reference path: materialises the [B, N, S, S]
+start by jaxpar.compiler.attention_choice): "xla" (jax's reference path: materialises the [B, N, S, S]
 scores) or "cudnn" (cuDNN flash attention: the causal mask is a kernel mask type, so masked blocks
 are skipped; the prefix-LM mask goes in as `mask`, which jax hands to cuDNN as a dense additive
 bias). "auto" can only reach a layer unresolved (a model built without a device in mind, e.g. the

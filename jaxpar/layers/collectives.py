@@ -16,7 +16,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
 from jaxpar.layers.order import backward_ordered, chain_both_ways, cotangent_after, ordered_both_ways
-from jaxpar.parallel import zero
 from jaxpar.sharding import is_axes_leaf
 
 
@@ -42,6 +41,10 @@ class Collectives:
     zero_logical_axis: str = "embed"  # which logical dim ZeRO shards
     grad_reduce_dtype: Any = None  # dtype ZeRO-2 / ZeRO-3 reduce gradients in (None: the weights' own)
     zero3_prefetch: bool = False  # ZeRO-3: gather layer i+1's weights while layer i computes (scan_layers)
+    # ZeRO's per-use mechanisms (grad_tap, gather_weight, prefetching_layer_scan, gathered_name), which
+    # the parallel runtime hands in with the ZeRO axes: jaxpar.parallel.zero.LAYER_HOOKS. ZeRO stays in
+    # that one module, and the layers import no parallel code.
+    zero_hooks: Any = None
     kv_heads_replicated: bool = False  # more tp ranks than KV heads: K/V weights arrive whole (local_kv_heads)
     # Megatron sequence parallelism: outside the tensor-parallel regions the activations [B, S, D]
     # are split over these axes along S (the residual stream, norms and the layer boundaries).
@@ -135,7 +138,7 @@ class Collectives:
             def use(pair, axes):
                 full, shard = pair
                 dim = axes.index(self.zero_logical_axis)
-                return zero.grad_tap(self.zero2_axis, dim, self.grad_reduce_dtype)(full, shard)
+                return self.zero_hooks.grad_tap(self.zero2_axis, dim, self.grad_reduce_dtype)(full, shard)
             axes_leaves, structure = jax.tree.flatten(logical_axes, is_leaf=is_axes_leaf)
             pairs = [tuple(pair) for pair in structure.flatten_up_to(params)]
             return structure.unflatten(chain_both_ways(use, pairs, axes_leaves, start=start,
@@ -144,8 +147,9 @@ class Collectives:
             return params
 
         def gather(w, axes):
-            full = zero.gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis), self.grad_reduce_dtype)(w)
-            return checkpoint_name(full, zero.ZERO3_GATHERED)
+            full = self.zero_hooks.gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis),
+                                                self.grad_reduce_dtype)(w)
+            return checkpoint_name(full, self.zero_hooks.gathered_name)
 
         return chain_both_ways(gather, params, logical_axes, start=start)
 
@@ -156,7 +160,7 @@ class Collectives:
         jax.checkpoint policy) around each layer if given. With ZeRO-3 prefetch, the next layer's
         gather runs ahead of each layer's compute (jaxpar.parallel.zero.prefetching_layer_scan)."""
         if self.zero3_axis and self.zero3_prefetch:
-            return zero.prefetching_layer_scan(layer_fn, x, stacked, layer_axes, self.zero3_axis,
+            return self.zero_hooks.prefetching_layer_scan(layer_fn, x, stacked, layer_axes, self.zero3_axis,
                                                self.zero_logical_axis, self.grad_reduce_dtype)
 
         def body(x, weights):

@@ -31,7 +31,7 @@ streams, and a dependency there would only serialise communication behind comput
 is `after_on_every_backend`, for two collectives XLA's GPU combiners would otherwise merge into one. The backend is
 the one the step is traced for (`jax.default_backend()`, or `ordering(True/False)` where a program is
 compiled for another platform than the one running, as the GPU dry run does).
-jaxpar/hlo_order.py finds the pairs left unordered in a compiled program; tests/test_collective_order.py
+jaxpar/compiler/hlo_order.py finds the pairs left unordered in a compiled program; tests/test_collective_order.py
 asserts there are none over the matrix of layouts.
 """
 

@@ -93,7 +93,8 @@ def _to_pp_varying(tree):
 
 
 class Pipeline:
-    """Loss and local gradients of one dp shard's microbatches, pipelined over pp (inside shard_map)."""
+    """Loss and gradients of one dp shard's microbatches, pipelined over pp (inside shard_map); with
+    `reduce_dp`, each part's gradient is dp-reduced as soon as it is final."""
 
     def __init__(self, schedule: Schedule, pieces: StagePieces, varying_axes: tuple[str, ...],
                  stage_recompute: bool = False, activation_axes: tuple[str, ...] = (),

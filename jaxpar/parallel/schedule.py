@@ -249,3 +249,19 @@ def build(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedu
                        tables["W"][0].max(1) > IDLE], axis=1)
     return Schedule(kind, p, m, v, *tables["F"], *tables["B"], *tables["W"], loss, stash, slots,
                     _phases(active))
+
+
+def pipeline_table(config) -> Schedule | None:
+    """The schedule table a config's pipeline runs (None without a pipeline); a validated config
+    always builds one."""
+    pp = config.pipeline
+    if config.mesh.pp <= 1:
+        return None
+    return build(pp.schedule, config.mesh.pp, pp.microbatches, virtual=pp.virtual_stages)
+
+
+def bubble_fraction(config) -> float:
+    """Idle share of the executed pipeline slots from the schedule table (cost-weighted: F=1, B=2;
+    zb F=B=W=1), 0 without a pipeline."""
+    table = pipeline_table(config)
+    return 0.0 if table is None else float(table.bubble_fraction())

@@ -41,7 +41,7 @@ from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel.optim import lr_schedule, make_optimizer
-from jaxpar.parallel import remat, schedule as pipeline_schedule
+from jaxpar.parallel import remat, schedule as pipeline_schedule, zero
 from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
@@ -234,7 +234,7 @@ class StepBuilder:
                            zero3_axis=DP if self.zero.gathers_weights else None,
                            zero2_axis=DP if self.zero.taps_grads else None, zero3_prefetch=self.zero.prefetches,
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
-                           kv_heads_replicated=self.replicates_kv and tp is not None)
+                           kv_heads_replicated=self.replicates_kv and tp is not None, zero_hooks=zero.LAYER_HOOKS)
 
     def remat_policy(self):
         """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""
@@ -270,14 +270,15 @@ class StepBuilder:
         return loss, after(grads, loss)  # (XLA:CPU) what runs after the shard_map waits for every reduction
 
     def _llm_loss_and_grads(self, params, batch, image_tokens, token_count):
-        """Loss, the LLM's local gradients and the cotangent of the image tokens (None without images).
+        """Loss, the LLM's gradients and the cotangent of the image tokens (None without images). The
+        gradients are this dp rank's own, except where ZeRO-2 / 3 reduce them inside the backward.
 
         With ZeRO-2 grad taps, the gradient is taken w.r.t. a dp-shard-shaped tap per weight instead
         of the (replicated) weight itself, and arrives reduce-scattered layer by layer.
         """
         cfg, accum = self.config.model, self.config.train.grad_accum
         coll, policy = self.collectives(), self.remat_policy()
-        if self.dp_axis and not self.zero.gathers_weights:  # local gradients per dp rank; reduced explicitly below
+        if self.dp_axis and not self.zero.gathers_weights:  # each dp rank's own gradients; reduced below
             params = jax.lax.pcast(params, (DP,), to="varying")
         if self.mesh.shape["pp"] > 1:
             return self._pipelined_loss_and_grads(params, batch, image_tokens, token_count, coll, policy)

@@ -240,3 +240,17 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
 
 def _stack_last(inputs: jax.Array, last: jax.Array) -> jax.Array:
     return jnp.concatenate([inputs, last[None]])
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerHooks:
+    """What jaxpar.layers.collectives calls where a weight is used under ZeRO 2-3; the runtime
+    (jaxpar.parallel.step) passes LAYER_HOOKS in a Collectives with the ZeRO axes."""
+
+    grad_tap: Callable
+    gather_weight: Callable
+    prefetching_layer_scan: Callable
+    gathered_name: str
+
+
+LAYER_HOOKS = LayerHooks(grad_tap, gather_weight, prefetching_layer_scan, ZERO3_GATHERED)

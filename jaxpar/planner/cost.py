@@ -1,6 +1,6 @@
 """Step-time model: compute, tensor / data / pipeline communication and the pipeline bubble, apart.
 
-FLOPs are matmul FLOPs (what `jaxpar.hlo.executed_flops` counts in the compiled program; elementwise
+FLOPs are matmul FLOPs (what `jaxpar.compiler.hlo_flops.executed_flops` counts in the compiled program; elementwise
 work is not counted on either side), for the pipeline as jaxpar runs it once 1F1B keeps its vjp
 residuals (issue 14):
 - decoder layers: forward + backward (input and weight gradients: 2 x forward) + what `remat.policy`
@@ -28,23 +28,17 @@ dp outermost.
 from __future__ import annotations
 
 from jaxpar.config import Config
-from jaxpar.metrics import model_flops_per_step
+from jaxpar.models.flops import model_flops_per_step
 from jaxpar.models import vit
 from jaxpar.planner import traffic
-from jaxpar.planner.hardware import GB, Hardware
-from jaxpar.planner.memory import (Block, llm_block, local_params, microbatch, pipeline_table,
+from jaxpar.compiler.hardware import GB, Hardware
+from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
+from jaxpar.planner.memory import (Block, llm_block, local_params, microbatch,
                                   seq_len, vision_data_ways, vit_block)
 
 # The parts of one layer's forward each remat policy computes again in the backward (layer_forward keys).
 RECOMPUTED = {"none": (), "dots": (), "selective": ("scores",), "offload": ("scores",),
               "full": ("qkv", "scores", "values", "out", "mlp_in")}
-
-
-def bubble_fraction(config: Config) -> float:
-    """Idle share of the executed pipeline slots from the schedule table (cost-weighted: F=1, B=2;
-    zb F=B=W=1), 0 without a pipeline."""
-    table = pipeline_table(config)
-    return 0.0 if table is None else float(table.bubble_fraction())
 
 
 def slot_counts(config: Config) -> dict[str, int]:
@@ -173,7 +167,7 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     slots = slot_counts(config)
     sends_s = 0.0 if p == 1 else (slots["F"] + slots["B"]) * activation / pp_bw
     pp_s = sends_s + (0.0 if p == 1 else 4 * passes * ring_allreduce_s(activation, p, pp_bw))
-    # what a GPU's schedule hides (XLA's latency-hiding scheduler, jaxpar.gpu_program): the backward's
+    # what a GPU's schedule hides (XLA's latency-hiding scheduler, jaxpar.compiler.gpu_program): the backward's
     # tp all-reduces run beside its weight-gradient matmuls; the pipeline's sends beside the ticks' compute
     tp_exposed = tp_s * 2 * forwards / (2 * forwards + 2)
     return {"tp_comm_s": tp_s, "tp_exposed_s": tp_exposed, "pp_sends_s": sends_s,

@@ -4,7 +4,7 @@ Why it matters: cuDNN flash attention never writes the [b, h, s, s] scores to me
 attention they are the largest temporaries of a layer's backward (fp32 scores, probabilities and
 their cotangents) and, without remat, the largest saved activations; at a few thousand tokens they
 decide whether a layout fits and make the step memory-bound. The planner asks the same question the
-trainer does (jaxpar.attention_choice, for the profile's compute capability and a cuDNN of at least
+trainer does (jaxpar.compiler.attention_choice, for the profile's compute capability and a cuDNN of at least
 9.8, which jax's CUDA plugin ships), so a planned layout prices the kernel a run would get.
 XLA:CPU has no cuDNN: `target="cpu"` prices XLA's attention everywhere.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.attention_choice import Accelerator, choose_attention
+from jaxpar.compiler.attention_choice import Accelerator, choose_attention
 from jaxpar.config import Config
 
 CUDNN_VERSION = 90800  # the oldest cuDNN jax 0.10's CUDA plugin accepts

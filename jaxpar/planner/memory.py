@@ -24,7 +24,7 @@ import math
 
 from jaxpar.config import Config
 from jaxpar.models import llama, vit, vla
-from jaxpar.parallel import schedule as schedules
+from jaxpar.parallel.schedule import pipeline_table
 from jaxpar.parallel.zero import ZeroPlan
 from jaxpar.planner import kernels
 from jaxpar.sharding import RULES, kv_head_ways, tp_split
@@ -69,14 +69,6 @@ def local_params(config: Config) -> dict[str, int]:
         vdiv = {"vit_heads": config.vision.tp, "vit_mlp": config.vision.tp}
         out["vision"] = _local_count(vit.param_shapes(config.vision, config.model.d_model), vit.param_axes(config.vision), vdiv)
     return out
-
-
-def pipeline_table(config: Config) -> schedules.Schedule | None:
-    """The pipeline's schedule table (None without a pipeline); a validated config always builds one."""
-    pp = config.pipeline
-    if config.mesh.pp <= 1:
-        return None
-    return schedules.build(pp.schedule, config.mesh.pp, pp.microbatches, virtual=pp.virtual_stages)
 
 
 def vision_data_ways(config: Config) -> int:

@@ -16,7 +16,7 @@ from typing import Iterator
 from jaxpar.config import Config, MeshConfig, OffloadConfig, PipelineConfig, RematConfig, ZeroConfig, validate
 from jaxpar.errors import ConfigError
 from jaxpar.planner import cost, memory
-from jaxpar.planner.hardware import GB, Hardware
+from jaxpar.compiler.hardware import GB, Hardware
 
 REMATS = ("none", "selective", "full")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from jaxpar.config import Config, to_dict
 from jaxpar.planner import cost, memory
-from jaxpar.planner.hardware import GB, Hardware
+from jaxpar.compiler import hardware
+from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.planner.recommend import describe, rules
 
 MEMORY_ROWS = [
@@ -38,6 +39,16 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
             "memory_bound_s": time["memory_parts"],
             "links": time["links"], "bubble_fraction": time["bubble_fraction"], "mfu": time["mfu"],
             "tokens_per_s": time["tokens_per_s"], "config": to_dict(config)}
+
+
+def gpu_figures(config: Config, gpu_name: str, gpus_per_node: int) -> dict:
+    """The planner's step time, MFU and peak for a layout, to sit beside the GPU compiler's in the GPU
+    dry run (jaxpar.compiler.dry_run)."""
+    hw = hardware.get(gpu_name)
+    planned = cost.step_time(config, hw, gpus_per_node)
+    peak = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]["peak"]
+    return {"step_s": planned["step_s"], "mfu": planned["mfu"], "peak_bytes": peak,
+            "matmul_efficiency": hw.matmul_efficiency}
 
 
 def format_plan(report: dict) -> str:

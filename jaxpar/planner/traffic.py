@@ -1,6 +1,6 @@
 """The step's memory-bound kernels and kernel launches: what the planner adds to its matmul time.
 
-Why: the GPU dry run's estimate (jaxpar.gpu_program) walks XLA's scheduled GPU program and finds that
+Why: the GPU dry run's estimate (jaxpar.compiler.gpu_program) walks XLA's scheduled GPU program and finds that
 matmuls are only part of a step. Norms, RoPE, SwiGLU, residual adds, XLA's softmax over [b, h, s, s]
 scores, the optimizer update and the LM head's softmax move bytes through HBM and do few FLOPs; on
 the 1B Llama with XLA attention they take as long as the matmuls (BENCHMARKS.md, "GPU-compiled dry
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from jaxpar.config import Config
 from jaxpar.planner import kernels
-from jaxpar.planner.hardware import KERNEL_LAUNCH_S, Hardware
+from jaxpar.compiler.hardware import KERNEL_LAUNCH_S, Hardware
 from jaxpar.planner.memory import llm_block, local_params, microbatch, seq_len
 
 LAYER_D = 10  # c t d bytes of a layer forward's norms and residual adds

@@ -2,7 +2,7 @@
 evaluate; optionally trace steps START..END with jax.profiler (jaxpar.training.profiling).
 
 The attention kernel (`model.attention`) is resolved for the mesh's devices here, before the step
-is built, and said in one line (jaxpar.attention_choice).
+is built, and said in one line (jaxpar.compiler.attention_choice).
 
 The only host syncs are the metric fetches of logged steps (one step late, so the device always has
 the next step queued), evaluations (every eval.every steps and at the end) and checkpoint saves,
@@ -26,12 +26,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxpar.attention_choice import resolve_attention
-from jaxpar.checkpoint import Checkpointer
+from jaxpar.compiler.attention_choice import resolve_attention
+from jaxpar.parallel.checkpoint import Checkpointer
 from jaxpar.config import Config, has_evaluation, profile_steps
 from jaxpar.errors import ConfigError
 from jaxpar.data.pipeline import eval_data, train_data
-from jaxpar.metrics import MetricsWriter, mfu, model_flops_per_step, peak_flops_per_device
+from jaxpar.training.metrics import MetricsWriter, mfu, peak_flops_per_device
+from jaxpar.models.flops import model_flops_per_step
 from jaxpar.parallel.evaluate import Evaluator, metrics_from_sums
 from jaxpar.parallel.step import StepBuilder
 from jaxpar.training.profiling import StepProfiler

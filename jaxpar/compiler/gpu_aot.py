@@ -31,7 +31,7 @@ import pathlib
 import sys
 
 from jaxpar.errors import ConfigError
-from jaxpar.planner.hardware import ALIASES  # the planner's profile names
+from jaxpar.compiler.hardware import ALIASES  # the planner's profile names
 
 INSTALL = "make gpu-aot (or pip install 'jaxpar[gpu-aot]')"
 # Where `make gpu-aot` puts the compiler's packages (pip --target), outside the venv: installed there, the
@@ -46,7 +46,7 @@ AOT_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 @dataclasses.dataclass(frozen=True)
 class GpuTarget:
     """One GPU's facts, as the target config needs them (vendor data; XLA's spec files agree)."""
-    name: str  # the planner's profile name (jaxpar.planner.hardware)
+    name: str  # the planner's profile name (jaxpar.compiler.hardware)
     description: str  # the device name the CUDA driver reports
     compute_capability: tuple[int, int]
     cores: int  # streaming multiprocessors

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from jaxpar.hlo import OPS, parse_module
+from jaxpar.compiler.hlo_collectives import OPS, parse_module
 
 _COLLECTIVE_OPS = frozenset(OPS) | {f"{op}-start" for op in OPS}
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")

@@ -1,7 +1,7 @@
 """Step metrics: MFU, metrics.jsonl, TensorBoard events and the console progress line.
 
 MFU = model FLOPs per second / (devices x peak dense bf16 FLOP/s). Model FLOPs are analytic
-(jaxpar.models.llama.flops_per_token): XLA's cost analysis counts a scan body once, so it cannot be used.
+(jaxpar.models.flops): XLA's cost analysis counts a scan body once, so it cannot be used.
 """
 
 from __future__ import annotations
@@ -25,18 +25,6 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
         if name in kind:
             return tflops * 1e12
     return None
-
-
-def model_flops_per_step(config, seq_len: int) -> float:
-    """Analytic training FLOPs of one step: the LLM over `seq_len` tokens per example, plus the
-    vision encoder and projector of a VLA."""
-    from jaxpar.models import llama, vit
-
-    batch = config.train.global_batch_size
-    flops = llama.flops_per_token(config.model, seq_len) * batch * seq_len
-    if config.model.kind == "vla":
-        flops += vit.flops_per_image_set(config.vision, config.model.d_model) * batch
-    return flops
 
 
 def mfu(flops_per_step: float, step_time_s: float, n_devices: int, peak_per_device: float | None) -> float | None:

@@ -1,6 +1,6 @@
 """The XLA flags jaxpar sets on GPUs: communication / computation overlap, merged into XLA_FLAGS.
 
-    python -m jaxpar.xla_flags [--gpu]   # print XLA_FLAGS as jaxpar would run with it (scripts/slurm uses it)
+    python -m jaxpar.compiler.xla_flags [--gpu]   # print XLA_FLAGS as jaxpar would run with it (scripts/slurm uses it)
 
 Why a bundle: XLA's GPU defaults leave most collectives unoverlapped, and the overlap is the
 cheapest large win in the seed's measurements (section 6.4: 820 -> 1130 -> 1280 tokens/s/GPU).
@@ -114,7 +114,7 @@ def apply_gpu_bundle(environ=os.environ, announce=None, force: bool = False) -> 
         return None
     merged, added, kept = merge(environ.get("XLA_FLAGS", ""))
     environ["XLA_FLAGS"] = merged
-    line = f"jaxpar: XLA flags for GPUs (jaxpar/xla_flags.py): {' '.join(added) or '(none added)'}"
+    line = f"jaxpar: XLA flags for GPUs (jaxpar/compiler/xla_flags.py): {' '.join(added) or '(none added)'}"
     if kept:
         line += f"; yours kept: {' '.join(kept)}"
     if announce is not None:

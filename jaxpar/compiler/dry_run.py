@@ -2,8 +2,8 @@
 
 Reports per-device memory (state bytes exactly from shard shapes and dtypes, per memory kind;
 argument / output / temp from XLA's `compiled.memory_analysis()`), the ZeRO formula next to it, and
-the collectives of one step (jaxpar.hlo), and the matmul FLOPs one device executes in the compiled
-step (jaxpar.hlo.executed_flops) next to its share of the model FLOPs that MFU uses: the gap is remat
+the collectives of one step (jaxpar.compiler.hlo_collectives), and the matmul FLOPs one device executes in the compiled
+step (jaxpar.compiler.hlo_flops.executed_flops) next to its share of the model FLOPs that MFU uses: the gap is remat
 recompute, masked pipeline slots and replicated work. On CPU, XLA's memory analysis does not separate host
 from device memory, and XLA:CPU widens bf16 collectives to f32 in the optimised program, so the
 report also lists the collectives as jaxpar wrote them (pre-optimisation HLO), with their dtype.
@@ -15,19 +15,20 @@ import json
 import math
 import pathlib
 import time
+from typing import Callable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar import hlo
+from jaxpar.compiler import hardware, hlo_collectives, hlo_flops
+from jaxpar.compiler.gpu_aot import GpuTarget
 from jaxpar.config import Config, to_dict
 from jaxpar.files import write_atomic
-from jaxpar.gpu_aot import GpuTarget
 from jaxpar.layers import order
 from jaxpar.models import llama, vit
-from jaxpar.metrics import model_flops_per_step
+from jaxpar.models.flops import model_flops_per_step
+from jaxpar.parallel.schedule import bubble_fraction
 from jaxpar.parallel.step import VISION_KEYS, StepBuilder
-from jaxpar.planner.cost import bubble_fraction
 from jaxpar.sharding import tree_specs, unused_mesh_axes
 
 def bytes_by_memory_kind(tree) -> dict[str, int]:
@@ -95,8 +96,11 @@ def component_report(builder: StepBuilder, state) -> dict:
     return layouts
 
 
-def dry_run(config: Config, mesh, gpu: GpuTarget | None = None) -> dict:
-    """The report of the train step compiled for `mesh`'s devices (`gpu`: the GPU target they are)."""
+def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callable | None = None) -> dict:
+    """The report of the train step compiled for `mesh`'s devices (`gpu`: the GPU target they are).
+    `planner(config, gpu name, devices per node)`: the planner's figures for the same layout, shown
+    beside the GPU compiler's under "planner" (jaxpar.planner.report.gpu_figures; the entry point
+    hands it in, so the compiler's reading of its own program imports no planner)."""
     builder = StepBuilder(config, mesh)
     state, batch = builder.abstract_state(), builder.abstract_batch()
     start = time.perf_counter()
@@ -119,7 +123,7 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None) -> dict:
     per_device["peak"] = per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"]
     model_flops = model_flops_per_step(config, builder.seq_len)
     text = compiled.as_text()
-    executed = hlo.executed_flops(text)
+    executed = hlo_flops.executed_flops(text)
     report = {
         "devices": mesh.size,
         "platform": mesh.devices.flat[0].platform,
@@ -130,8 +134,8 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None) -> dict:
         "components": component_report(builder, state),
         "per_device_bytes": per_device,
         "analytic_bytes": zero_formula_bytes(config, local_param_count(builder), mesh.shape["dp"]),  # the LLM's
-        "collectives": hlo.collectives(compiled.as_text(), mesh),
-        "collectives_requested": hlo.collectives(lowered.as_text(dialect="hlo"), mesh),
+        "collectives": hlo_collectives.collectives(compiled.as_text(), mesh),
+        "collectives_requested": hlo_collectives.collectives(lowered.as_text(dialect="hlo"), mesh),
         "flops_per_step": model_flops,
         "model_flops_per_device": model_flops / mesh.size,
         "executed_flops_per_device": executed["total"],
@@ -145,17 +149,20 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None) -> dict:
             "collectives: optimised program (XLA:CPU widens bf16 collectives to f32; GPUs keep bf16); "
             "collectives_requested: as written by jaxpar, before XLA optimisation (GSPMD-inserted optimizer "
             "gathers are not there yet)",
-            "model_flops_per_device: 6N + attention FLOPs of one step (jaxpar.metrics) / devices; "
+            "model_flops_per_device: 6N + attention FLOPs of one step (jaxpar.models.flops) / devices; "
             "executed_flops_per_device: dot and convolution FLOPs of the compiled program on one device, "
-            "plus cuDNN attention's matmuls (forward 4 b h s s d, backward 2.5x, causal half; jaxpar.hlo.fmha_flops), "
-            "loops x trip count, a conditional's costliest branch (jaxpar.hlo.executed_flops)",
+            "plus cuDNN attention's matmuls (forward 4 b h s s d, backward 2.5x, causal half; jaxpar.compiler.hlo_flops.fmha_flops), "
+            "loops x trip count, a conditional's costliest branch (jaxpar.compiler.hlo_flops.executed_flops)",
             "bubble_fraction: idle share of the pipeline schedule table's executed slots (0 without pp)",
         ],
         "config": to_dict(config),
     }
     if gpu is not None:
         report.update(gpu_fields(gpu, per_device, text))
-        report.update(schedule_fields(config, mesh, gpu, text, model_flops / mesh.size))
+        report.update(schedule_fields(mesh, gpu, text, model_flops / mesh.size))
+        if planner is not None:
+            nodes = len({getattr(d, "process_index", 0) for d in mesh.devices.flat})
+            report["planner"] = planner(config, gpu.name, mesh.size // nodes)
         report["notes"].append("GPU-compiled, no device: XLA's GPU compiler without autotuning (default GEMM "
                                "tiles, cuBLAS GEMMs: Triton GEMM fusions off); memory is a close estimate")
     return report
@@ -165,7 +172,7 @@ def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
     """What only a GPU program says: the target, whether the step fits its HBM, and the library
     kernels it calls (cuDNN attention is taken only if the program has its custom calls; its forward
     calls are one per layer and microbatch, two where remat re-runs it in the backward)."""
-    calls = hlo.custom_call_counts(text)
+    calls = hlo_flops.custom_call_counts(text)
     fmha = {target: n for target, n in calls.items() if target.startswith("__cudnn$fmha")}
     cudnn = sum(fmha.values())
     backward = sum(n for target, n in fmha.items() if "Backward" in target)
@@ -176,24 +183,16 @@ def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
                         "gemm_calls": gemms}}
 
 
-def schedule_fields(config: Config, mesh, gpu: GpuTarget, text: str, model_flops_per_device: float) -> dict:
-    """`overlap` and `estimate` read from the scheduled GPU program (jaxpar.gpu_program), and the
-    planner's figures for the same layout beside them."""
-    from jaxpar.gpu_program import read_schedule
-    from jaxpar.planner import cost, hardware, memory
+def schedule_fields(mesh, gpu: GpuTarget, text: str, model_flops_per_device: float) -> dict:
+    """`overlap` and `estimate` read from the scheduled GPU program (jaxpar.compiler.gpu_program)."""
+    from jaxpar.compiler.gpu_program import read_schedule
 
-    hw = hardware.get(gpu.name)
-    read = read_schedule(text, mesh, hw, model_flops_per_device)
-    nodes = len({getattr(d, "process_index", 0) for d in mesh.devices.flat})
-    planned = cost.step_time(config, hw, mesh.size // nodes)
-    peak = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]["peak"]
-    return {**read, "planner": {"step_s": planned["step_s"], "mfu": planned["mfu"], "peak_bytes": peak,
-                                "matmul_efficiency": hw.matmul_efficiency}}
+    return read_schedule(text, mesh, hardware.get(gpu.name), model_flops_per_device)
 
 
 def format_report(report: dict) -> str:
     pd, an = report["per_device_bytes"], report["analytic_bytes"]
-    b = hlo.human_bytes
+    b = hlo_collectives.human_bytes
     mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
     lines = [
         f"dry run: {report['param_count']:,} params on {report['devices']} {_devices_text(report)} devices "
@@ -212,7 +211,7 @@ def format_report(report: dict) -> str:
         *gpu_text(report),
         flops_text(report),
         "collectives per step (optimised program; XLA:CPU shows bf16 collectives as f32):",
-        hlo.summarize(report["collectives"]),
+        hlo_collectives.summarize(report["collectives"]),
     ]
     return "\n".join(lines)
 
@@ -227,17 +226,18 @@ def gpu_text(report: dict) -> list[str]:
     """The GPU target's lines: fit against its HBM, and the kernels read from the program."""
     if "target" not in report:
         return []
-    b, k = hlo.human_bytes, report["kernels"]
+    b, k = hlo_collectives.human_bytes, report["kernels"]
     fit = "fits" if report["fits"] else "does NOT fit"
     peak = b(report["per_device_bytes"]["peak"])
-    est, plan = report["estimate"], report["planner"]
-    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak}; planner {b(plan['peak_bytes'])})",
+    est, plan = report["estimate"], report.get("planner")
+    planned_peak = f"; planner {b(plan['peak_bytes'])}" if plan else ""
+    planned_step = f" (planner: {plan['step_s']:.4g} s, MFU {plan['mfu']:.1%})" if plan else ""
+    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak}{planned_peak})",
             f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls: "
             f"{k['cudnn_attention_forward_calls']} forward, {k['cudnn_attention_backward_calls']} backward), "
             f"{k['gemm_calls']} cuBLAS GEMM calls",
             f"estimated step (XLA's schedule, no device): {est['step_s']:.4g} s, MFU {est['mfu']:.1%}; compute "
-            f"{est['compute_s']:.4g} s, exposed communication {est['exposed_comm_s']:.4g} s "
-            f"(planner: {plan['step_s']:.4g} s, MFU {plan['mfu']:.1%})",
+            f"{est['compute_s']:.4g} s, exposed communication {est['exposed_comm_s']:.4g} s{planned_step}",
             "collectives overlapped with compute in the schedule:",
             *(f"  {r['op']:<18} {r['axis']:<12} {b(r['bytes']):>12} per step, {b(r['bytes_overlapped']):>12} "
               f"overlapped, compute waits {r['exposed_s']:.4g} s" for r in report["overlap"])]

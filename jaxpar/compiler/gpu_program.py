@@ -1,6 +1,6 @@
 """Time in the scheduled GPU program: which collectives overlap compute, and the step time it implies.
 
-Why: a GPU dry run (jaxpar.gpu_aot) gives XLA's own schedule of the step, with each async collective's
+Why: a GPU dry run (jaxpar.compiler.gpu_aot) gives XLA's own schedule of the step, with each async collective's
 start and done placed where the latency-hiding scheduler put them. Reading time off that schedule says
 what overlaps (ZeRO-3 prefetch, the pipeline's early dp reductions, tp all-reduces) in the program that
 would run, where the planner (jaxpar.planner.cost) can only assume it. No device: every second here is
@@ -12,8 +12,8 @@ The model:
   wrapping one) run one after another on one communication stream, host copies (`copy-start`) on
   their own.
 - A kernel (fusion, library call, copy, ...) costs max(FLOPs / (peak x MATMUL_EFFICIENCY), bytes /
-  HBM bandwidth) + KERNEL_LAUNCH_S. FLOPs (jaxpar.hlo's): dots and convolutions inside it, cuBLAS
-  GEMMs, cuDNN flash attention (hlo.fmha_flops: 4 b h sq sk d forward, 2.5 times that backward, which
+  HBM bandwidth) + KERNEL_LAUNCH_S. FLOPs (jaxpar.compiler.hlo_collectives's): dots and convolutions inside it, cuBLAS
+  GEMMs, cuDNN flash attention (hlo_flops.fmha_flops: 4 b h sq sk d forward, 2.5 times that backward, which
   recomputes the scores; half with a causal mask, whose masked blocks the kernel skips). Bytes: operands
   read plus results written; a fusion operand it only slices counts its slices, and the buffer a dynamic-update-slice
   writes in place counts the update alone (a layer scan reads one layer of its stacked weights).
@@ -38,13 +38,15 @@ import re
 
 import numpy as np
 
-from jaxpar import hlo
-from jaxpar.planner import hardware
-from jaxpar.planner.hardware import GB, Hardware
+from jaxpar.compiler import hlo_collectives
+
+from jaxpar.compiler import hlo_flops
+from jaxpar.compiler import hardware
+from jaxpar.compiler.hardware import GB, Hardware
 
 # Fitted to the H200 rows in BENCHMARKS.md (the 1B Llama, XLA attention, remat none / selective / full:
 # 0.324 / 0.251 / 0.285 s measured; this value gives 0.339 / 0.243 / 0.278 s, errors +5 / -3 / -3%); the
-# planner's profiles use the same value (jaxpar.planner.hardware).
+# planner's profiles use the same value (jaxpar.compiler.hardware).
 MATMUL_EFFICIENCY = hardware.MATMUL_EFFICIENCY
 KERNEL_LAUNCH_S = hardware.KERNEL_LAUNCH_S
 COLLECTIVE_LATENCY_S = 10e-6  # per collective: NCCL's small-message latency on NVLink (assumption)
@@ -87,7 +89,7 @@ _TOTALS = ("now", "compute_s", "exposed_s", "comm_s", "flops", "matmul_s", "memo
 
 class _Walker:
     def __init__(self, text: str, mesh, hw: Hardware, matmul_efficiency: float):
-        self.comps, self.entry = hlo.parse_module(text)
+        self.comps, self.entry = hlo_collectives.parse_module(text)
         if self.entry is None:
             raise ValueError("no ENTRY computation in HLO text")
         self.mesh, self.hw, self.matmul_rate = mesh, hw, hw.peak_flops * matmul_efficiency
@@ -114,7 +116,7 @@ class _Walker:
             elif op == "conditional":
                 self._branches(ins, st, depth)
             elif op == "call":
-                for callee in hlo._called(ins):
+                for callee in hlo_collectives._called(ins):
                     self.walk(callee, st, depth + 1)
             elif op.endswith("-done") or op == "async-done":
                 self._done(ins, st)
@@ -126,7 +128,7 @@ class _Walker:
         st.pending = outer
 
     def _loop(self, ins: dict, instrs: dict, st: _State, depth: int) -> None:
-        body, n = hlo._while_parts(self.comps, ins, instrs)
+        body, n = hlo_collectives._while_parts(self.comps, ins, instrs)
         if body is None or n == 0:
             return
         self.unknown_trips |= n is None
@@ -150,7 +152,7 @@ class _Walker:
 
     def _branches(self, ins: dict, st: _State, depth: int) -> None:
         outcomes = []
-        for callee in hlo._called(ins):
+        for callee in hlo_collectives._called(ins):
             branch = copy.deepcopy(st)
             self.walk(callee, branch, depth + 1)
             outcomes.append(branch)
@@ -178,11 +180,11 @@ class _Walker:
         op = ins["op"]
         if op == "fusion":
             callee = re.search(r"calls=%?([\w.\-]+)", ins["attrs"]).group(1)
-            counted = hlo._comp_flops(self.comps, callee, self.flops_memo)
+            counted = hlo_flops._comp_flops(self.comps, callee, self.flops_memo)
             flops = counted["dot"] + counted["convolution"] + counted["attention"]
             return flops, self._fusion_bytes(ins, instrs, callee)
         nbytes = sum(_nbytes(instrs[a]["shape"]) for a in ins["args"] if a in instrs) + _result_bytes(ins["shape"])
-        own = hlo._instr_flops(ins, instrs)  # cuDNN attention included (jaxpar.hlo.fmha_flops)
+        own = hlo_flops._instr_flops(ins, instrs)  # cuDNN attention included (jaxpar.compiler.hlo_flops.fmha_flops)
         return (own[1] or 0.0) if own else 0.0, nbytes
 
     def _fusion_bytes(self, ins: dict, instrs: dict, callee: str) -> float:
@@ -238,10 +240,10 @@ class _Walker:
         base = op[:-len("-start")] if op.endswith("-start") else op
         inner = ins
         if op == "async-start":
-            inner = next((i for c in hlo._called(ins) for i in self.comps.get(c, [])
-                          if i["op"] in hlo.OPS), None)
+            inner = next((i for c in hlo_collectives._called(ins) for i in self.comps.get(c, [])
+                          if i["op"] in hlo_collectives.OPS), None)
             if inner is None:  # an async computation that is not a collective: its kernels run in line
-                for callee in hlo._called(ins):
+                for callee in hlo_collectives._called(ins):
                     self.walk(callee, st)
                 return True
             base = inner["op"]
@@ -249,7 +251,7 @@ class _Walker:
             nbytes = _result_bytes(_first(ins["shape"]))
             self._start(ins["name"], ("host-copy", "host"), nbytes, nbytes / (self.hw.pcie_gbps * GB), "host", st)
             return True
-        if base not in hlo.OPS:
+        if base not in hlo_collectives.OPS:
             return False
         key, nbytes, seconds = self.collective_cost(inner, base)
         if op.endswith("-start"):
@@ -290,17 +292,17 @@ class _Walker:
 
     def collective_cost(self, ins: dict, base: str) -> tuple[tuple[str, str], float, float]:
         """((op, axis), bytes, seconds) of one execution of a collective."""
-        nbytes = float(sum(hlo._collective_bytes(ins, base, self.n_devices).values()))
+        nbytes = float(sum(hlo_collectives._collective_bytes(ins, base, self.n_devices).values()))
         attrs = ins["attrs"]
         memo_key = (base, re.sub(r"metadata=\{.*", "", attrs))
         if memo_key not in self.link_memo:
             if base == "collective-permute":
-                axis = hlo.permute_axis(attrs, self.mesh)
+                axis = hlo_collectives.permute_axis(attrs, self.mesh)
                 pairs = [(int(s), int(t)) for s, t in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", attrs)]
                 n, crosses = 2, any(self.node[s] != self.node[t] for s, t in pairs)
             else:
-                groups = hlo.parse_replica_groups(attrs, self.n_devices)
-                axis = hlo.axis_label(groups, self.mesh)
+                groups = hlo_collectives.parse_replica_groups(attrs, self.n_devices)
+                axis = hlo_collectives.axis_label(groups, self.mesh)
                 n = len(groups[0])
                 crosses = any(len({self.node[d] for d in g}) > 1 for g in groups)
             bandwidth = (self.hw.ib_gbps_per_node / self.gpus_per_node if crosses else self.hw.nvlink_gbps / 2) * GB
@@ -311,16 +313,16 @@ class _Walker:
 
 
 def _nbytes(shape: str) -> float:
-    return float(sum(hlo._bytes_by_dtype(shape).values()))
+    return float(sum(hlo_collectives._bytes_by_dtype(shape).values()))
 
 
 def _result_bytes(shape: str) -> float:
     """Bytes a kernel writes: its results less library scratch space (s8/u8 workspaces)."""
-    return float(sum(_nbytes(e) for e in hlo._tuple_elems(shape) if not re.match(r"\s*[su]8\[", e)))
+    return float(sum(_nbytes(e) for e in hlo_collectives._tuple_elems(shape) if not re.match(r"\s*[su]8\[", e)))
 
 
 def _first(shape: str) -> str:
-    return hlo._tuple_elems(shape)[0]
+    return hlo_collectives._tuple_elems(shape)[0]
 
 
 def read_schedule(text: str, mesh, hw: Hardware, model_flops_per_device: float,

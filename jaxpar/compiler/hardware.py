@@ -11,7 +11,7 @@ NIC, 4 NICs per node ("4 x IB 200Gbps, recommended"); RoCE v2 100 Gbps = 12.5 GB
 per node ("8 x RoCE 100Gbps, acceptable"); PCIe Gen5 64 GB/s for host offload.
 
 `matmul_efficiency` is the fraction of peak the matmuls reach, fitted to the one GPU measurement
-(the 1B Llama on an H200, BENCHMARKS.md): 0.55 puts the GPU dry run's estimate (jaxpar.gpu_program)
+(the 1B Llama on an H200, BENCHMARKS.md): 0.55 puts the GPU dry run's estimate (jaxpar.compiler.gpu_program)
 within 5% of the three measured step times. The planner and that estimate share it; recalibrate
 whenever a GPU measurement lands. Large models' GEMMs likely run faster than the 1B model's.
 """
