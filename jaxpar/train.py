@@ -140,11 +140,11 @@ def _cache_dir_problem(path: pathlib.Path, writes: bool) -> str | None:
 
 def run(argv: list[str]) -> int:
     from jaxpar.config import pipeline_warning, to_dict
-    from jaxpar.interop.pretrained import load_run_config
+    from jaxpar.interop.pretrained import load_run_config  # (JAX only when a pretrained init is read)
 
     # Flags, config and workdir are checked before JAX is even imported: a mistake costs no start-up time.
     args, overrides = parse_args(argv)
-    gpu = _gpu_target(args)  # before anything imports JAX (validating some configs imports model code)
+    gpu = _gpu_target(args)  # before anything imports JAX (reading a pretrained init's fields does)
     config = load_run_config(args.config, overrides)
     if (warning := pipeline_warning(config)) is not None:
         print(warning, file=sys.stderr)

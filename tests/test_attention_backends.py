@@ -50,8 +50,8 @@ def recorded(monkeypatch):
     jaxpar.layers.attention.cudnn_attention), replaced by a recorder (returns zeros: cuDNN cannot run here)."""
     calls = []
 
-    def fake(q, k, v, bias=None, mask=None, **kwargs):
-        calls.append({"mask": mask is not None, **kwargs})
+    def fake(q, k, v, bias=None, mask=None, is_causal=False, **kwargs):
+        calls.append({"mask": mask is not None, "is_causal": is_causal, **kwargs})
         return jnp.zeros_like(q)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
@@ -71,14 +71,14 @@ def test_layer_passes_the_kernel_for_causal_and_prefix_masks(recorded, implement
     attention(x, p, 1e4, Collectives(), implementation=implementation)
     attention(x, p, 1e4, Collectives(), prefix_len=3, implementation=implementation)
     assert recorded == [{"mask": False, "is_causal": True, "implementation": expected},
-                        {"mask": True, "implementation": expected}]
+                        {"mask": True, "is_causal": False, "implementation": expected}]
 
 
 def test_vit_passes_its_kernel(recorded):
     cfg = VisionConfig(attention="cudnn")
     params = vit.init(cfg, 64, jax.random.key(0))
     vit.encode(params, jnp.zeros((2, 1, cfg.image_size, cfg.image_size, 3)), cfg, Collectives())
-    assert recorded == [{"mask": False, "implementation": "cudnn"}]  # bidirectional; the block scan traces once
+    assert recorded == [{"mask": False, "is_causal": False, "implementation": "cudnn"}]  # bidirectional; traced once
 
 
 def test_llama_passes_model_attention(recorded):

@@ -96,6 +96,18 @@ def test_remat_keeps_cudnn_attentions_residuals_and_its_flops_are_counted(tmp_pa
     assert report["estimate"]["executed_flops"] == pytest.approx(executed["total"], rel=1e-12)  # the schedule walk's
 
 
+@pytest.mark.parametrize("policy, forward_calls_per_block", [("selective", 1), pytest.param("full", 2, marks=pytest.mark.slow)])
+def test_the_vit_keeps_cudnn_attentions_residuals_too(tmp_path, policy, forward_calls_per_block):
+    """vla_tiny's encoder takes cuDNN (no mask; its LLM's prefix-LM mask keeps XLA attention under `auto`)
+    through the same named-residual call as the LLM (jaxpar.layers.attention.core_attention)."""
+    done, report = dry_run(tmp_path, "--config", "vla_tiny", "--config.precision=bf16", "--gpu", "h100",
+                           f"--config.vision.remat.policy={policy}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    blocks, kernels = report["config"]["vision"]["depth"], report["kernels"]
+    assert kernels["cudnn_attention_backward_calls"] == blocks
+    assert kernels["cudnn_attention_forward_calls"] == forward_calls_per_block * blocks
+
+
 def test_sequence_parallelism_reduce_scatters_and_all_gathers_over_tp(tmp_path):
     done, report = dry_run(tmp_path, *TINY, "--gpu", "a100-80gb", "--config.mesh.sequence_parallel=true")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -102,3 +102,15 @@ def test_low_folders_do_not_reach_up(package, forbidden):
     reached = {f"{a} -> {b}" for a, targets in GRAPH.items() if a.startswith(package)
                for b in targets if b.startswith(forbidden)}
     assert not reached, reached
+
+
+def test_the_entry_points_check_flags_and_config_before_jax_starts():
+    """A user's mistake costs no JAX start-up, and --gpu prepares its environment before JAX looks for
+    plugins: importing the train entry point, the config and the run assembly imports no JAX."""
+    import subprocess
+    import sys
+
+    code = ("import sys, jaxpar.train, jaxpar.plan, jaxpar.config, jaxpar.interop.pretrained; "
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

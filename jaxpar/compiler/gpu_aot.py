@@ -37,7 +37,7 @@ INSTALL = "make gpu-aot (or pip install 'jaxpar[gpu-aot]')"
 # Where `make gpu-aot` puts the compiler's packages (pip --target), outside the venv: installed there, the
 # CUDA plugin makes every CPU-only JAX process log "Could not find cuda drivers" and a plugin traceback.
 LOCAL_PACKAGES = pathlib.Path(os.environ.get("JAXPAR_GPU_AOT_PATH",
-                                             pathlib.Path(__file__).resolve().parents[1] / ".gpu-aot"))
+                                             pathlib.Path(__file__).resolve().parents[2] / ".gpu-aot"))
 # Without autotuning a Triton GEMM fusion may find no tile sizes ("Couldn't find output tile sizes that
 # satisfy hlo"); cuBLAS GEMMs compile with their heuristics.
 AOT_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)

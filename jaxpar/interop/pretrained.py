@@ -6,8 +6,6 @@ the run is put together, so that jaxpar.config stays plain data that imports no 
 from __future__ import annotations
 
 from jaxpar.config import Config, ConfigError, read_config, validate
-from jaxpar.interop.hf_llama import with_model_from_hf
-from jaxpar.interop.hf_siglip import with_vision_from_hf
 
 
 def with_pretrained_fields(config: Config) -> Config:
@@ -15,11 +13,17 @@ def with_pretrained_fields(config: Config) -> Config:
     init.vision_from_hf's; unchanged without a pretrained init. Not validated."""
     if config.init.from_hf and config.init.llm_from_hf:
         raise ConfigError("init.from_hf and init.llm_from_hf are the same setting; set one of them")
+    # (imported here: the readers import model code and JAX, which a run without a pretrained init, or
+    # one whose flags are wrong, never needs to start)
     if config.init.llm_dir:
+        from jaxpar.interop.hf_llama import with_model_from_hf
+
         config = with_model_from_hf(config)
     if config.init.vision_from_hf:
         if config.model.kind != "vla":
             raise ConfigError("init.vision_from_hf needs model.kind=vla (the encoder is the VLA's)")
+        from jaxpar.interop.hf_siglip import with_vision_from_hf
+
         config = with_vision_from_hf(config)
     return config
 

@@ -71,6 +71,18 @@ def kernel(implementation: str) -> str:
     return "cudnn" if implementation == "cudnn" else "xla"
 
 
+def core_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, implementation: str,
+                   mask: jax.Array | None = None, is_causal: bool = False) -> jax.Array:
+    """softmax(q k^T / sqrt(H)) v on the kernel `implementation` names ("xla" or "cudnn", after `kernel`),
+    its output named "attention_out" for remat. cuDNN goes through cudnn_attention, which names the
+    output itself with the softmax statistics beside it (named twice, a policy would keep it twice)."""
+    if implementation == "cudnn":
+        return cudnn_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, is_causal=is_causal)
+    o_BxSxNxH = jax.nn.dot_product_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, is_causal=is_causal,
+                                             implementation=implementation)
+    return checkpoint_name(o_BxSxNxH, "attention_out")
+
+
 def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives, prefix_len: int = 0,
               implementation: str = "xla", rope_scaling: tuple | None = None) -> jax.Array:
     """p: wq [D, N, H], wk / wv [D, K, H], wo [N, H, D] (N, K: this tp rank's heads).
@@ -84,17 +96,11 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     k_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, wk_DxKxH), "key_proj")
     v_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, wv_DxKxH), "value_proj")
     q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta, rope_scaling), rope(k_BxSxKxH, rope_theta, rope_scaling)
-    if impl == "cudnn":  # jax's kernel, the residuals of its backward named for remat (cudnn_attention)
-        attend = cudnn_attention
-    else:
-        attend = functools.partial(jax.nn.dot_product_attention, implementation=impl)
     if prefix_len > 0:
         mask = prefix_lm_mask(x_BxSxD.shape[1], prefix_len)
-        o_BxSxNxH = attend(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask)
+        o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, mask=mask)
     else:
-        o_BxSxNxH = attend(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, is_causal=True)
-    if impl != "cudnn":  # cudnn_attention's output is "attention_out" already: named twice, remat kept it twice
-        o_BxSxNxH = checkpoint_name(o_BxSxNxH, "attention_out")
+        o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, is_causal=True)
     out_BxSxD = jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH, p["wo"])
     return checkpoint_name(coll.row_parallel_sum(out_BxSxD), "attention_proj")
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import VisionConfig, image_tokens  # noqa: F401  (image_tokens: re-exported for the models)
-from jaxpar.layers.attention import kernel
+from jaxpar.layers.attention import core_attention, kernel
 from jaxpar.layers.collectives import Collectives
 from jaxpar.layers.norm import layer_norm
 
@@ -187,8 +187,7 @@ def vit_block(x_BxNxD: jax.Array, p: dict, coll: Collectives, attention: str = "
     q, k, v = (checkpoint_name(jnp.einsum("bnd,dhk->bnhk", h, p[w]) + bias(b), name)
                for w, b, name in (("wq", "q_bias", "query_proj"), ("wk", "k_bias", "key_proj"),
                                   ("wv", "v_bias", "value_proj")))
-    o = checkpoint_name(jax.nn.dot_product_attention(q, k, v, implementation=kernel(attention)),
-                        "attention_out")  # bidirectional
+    o = core_attention(q, k, v, kernel(attention))  # bidirectional; "attention_out" (+ cuDNN's statistics)
     attended = coll.tp_sum(jnp.einsum("bnhk,hkd->bnd", o, p["wo"])) + bias("o_bias")
     x_BxNxD = x_BxNxD + checkpoint_name(attended, "attention_proj")
     h = layer_norm(x_BxNxD, p["ln2_scale"], p["ln2_bias"])
