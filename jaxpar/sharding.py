@@ -60,7 +60,8 @@ def kv_head_ways(n_kv_heads: int, tp: int, tp_split: int = 1) -> int:
     (jaxpar.parallel.mesh.Layout), each KV head lives on the outer "tp" index its query heads have and is
     replicated over "tpv", so a rank holds one KV head and its gradient is summed over the tp / K ranks
     sharing it only. 1 (every rank holds every KV head, sliced at use: Collectives.local_kv_heads) when
-    the tp axis is split otherwise, for a VLA's vision tp."""
+    the tp axis is split otherwise, for a VLA's vision tp, and with one KV head (no waste: it is the one
+    every rank uses)."""
     if not kv_heads_replicated(n_kv_heads, tp):
         return tp
     return n_kv_heads if tp_split > 1 and tp // tp_split == n_kv_heads else 1
@@ -72,6 +73,8 @@ def tp_split(tp: int, n_kv_heads: int, vision_tp: int = 1) -> int:
     than tp ranks (kv_head_ways)."""
     if 1 < vision_tp < tp:
         return vision_tp
+    if n_kv_heads == 1:  # one KV head on every rank: nothing to split, and no size-1 axis in the mesh
+        return 1
     return tp // n_kv_heads if kv_heads_replicated(n_kv_heads, tp) and tp % n_kv_heads == 0 else 1
 
 

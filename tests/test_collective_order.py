@@ -186,12 +186,19 @@ LAYOUTS = {  # in `make test`
                                          mesh=MeshConfig(dp=2, tp=4, sequence_parallel=True)),
     "1f1b": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1), pipeline=PipelineConfig(microbatches=4)),
     "zb": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1), pipeline=PipelineConfig(microbatches=4, schedule="zb")),
+    # tp 4 over 2 KV heads: each head's gradient summed over the 2 ranks sharing it ("tpv"), ordered before
+    # the input gradient's all-reduce (Collectives.kv_weights); unordered it was a possible XLA:CPU deadlock
+    "KV heads shared over tp": lambda: make_config(dp=2, tp=4, stage=1, model=dataclasses.replace(TINY_MODEL, n_kv_heads=2)),
 }
 SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     "ZeRO-0": lambda: make_config(dp=2, tp=4, stage=0),
     "ZeRO-1 bf16": lambda: make_config(dp=2, tp=4, stage=1, precision="bf16"),
     "ZeRO-3": lambda: make_config(dp=2, tp=4, stage=3),
-    "KV heads replicated": lambda: make_config(dp=2, tp=4, stage=1, model=dataclasses.replace(TINY_MODEL, n_kv_heads=2)),
+    "KV heads shared, ZeRO-3": lambda: make_config(dp=2, tp=4, stage=3, model=dataclasses.replace(TINY_MODEL, n_kv_heads=2)),
+    "KV heads shared, 1f1b": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1, model=dataclasses.replace(
+        TINY_MODEL, n_kv_heads=1)), pipeline=PipelineConfig(microbatches=4)),
+    "VLA, KV heads whole on every rank": lambda: _vla(mesh=dict(dp=1, pp=2, tp=4), vision=dict(tp=2),
+                                                      model=dict(n_kv_heads=1), zero=dict(stage=1)),
     "interleaved ZeRO-2": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=2, model=M4),
                                           pipeline=PipelineConfig(microbatches=4, virtual_stages=2)),
     "gpipe": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1, model=M4),

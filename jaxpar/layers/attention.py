@@ -91,8 +91,8 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     `implementation`: "xla" or "cudnn" (module docstring).
     """
     impl = kernel(implementation)
+    x_BxSxD, wk_DxKxH, wv_DxKxH = coll.kv_weights(x_BxSxD, p["wk"], p["wv"])
     q_BxSxNxH = checkpoint_name(jnp.einsum("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
-    wk_DxKxH, wv_DxKxH = coll.local_kv_heads(p["wk"]), coll.local_kv_heads(p["wv"])
     k_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, wk_DxKxH), "key_proj")
     v_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, wv_DxKxH), "value_proj")
     q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta, rope_scaling), rope(k_BxSxKxH, rope_theta, rope_scaling)

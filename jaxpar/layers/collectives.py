@@ -110,6 +110,21 @@ class Collectives:
         ranks_per_head = jax.lax.axis_size(self.tp_axis) // w_DxKxH.shape[1]
         return jax.lax.dynamic_slice_in_dim(w_DxKxH, self.tp_rank() // ranks_per_head, 1, axis=1)
 
+    def kv_weights(self, x_BxSxD: jax.Array, wk_DxKxH: jax.Array, wv_DxKxH: jax.Array):
+        """(x, wk, wv) for the K and V projections of `x`: this rank's KV heads (local_kv_heads). A KV
+        head shared by several tp ranks (the "tpv" part of a split tp axis, jaxpar.sharding.kv_head_ways)
+        is typed varying over them here, so its gradient is summed over those ranks here in the backward,
+        and that sum runs before x's cotangent flows on to the block's own collectives (left to JAX, the
+        cast sits at the einsum and the sum is unordered with the input gradient's all-reduce: on
+        XLA:CPU a possible deadlock, jaxpar.layers.order)."""
+        if self.kv_heads_replicated or not self.tp_axis:
+            return x_BxSxD, self.local_kv_heads(wk_DxKxH), self.local_kv_heads(wv_DxKxH)
+        shared = tuple(a for a in _as_tuple(self.tp_axis) if a not in varying_of(jax.typeof(wk_DxKxH)))
+        if not shared:
+            return x_BxSxD, wk_DxKxH, wv_DxKxH
+        x_BxSxD, (wk_DxKxH, wv_DxKxH) = backward_ordered(x_BxSxD, (wk_DxKxH, wv_DxKxH))
+        return x_BxSxD, *(jax.lax.pcast(w, shared, to="varying") for w in (wk_DxKxH, wv_DxKxH))
+
     def tp_max(self, x: jax.Array) -> jax.Array:
         return jax.lax.pmax(x, self.tp_axis) if self.tp_axis else x
 
