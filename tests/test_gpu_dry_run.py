@@ -79,7 +79,8 @@ def cudnn_attention_flops(config: dict, forward_calls_per_layer: int) -> float:
     return model["n_layers"] * (forward_calls_per_layer * forward + 2.5 * forward)
 
 
-@pytest.mark.parametrize("policy, forward_calls_per_layer", [("selective", 1), ("dots", 1), ("full", 2)])
+@pytest.mark.parametrize("policy, forward_calls_per_layer", [("selective", 1), pytest.param("dots", 1, marks=pytest.mark.slow),
+                                                                  pytest.param("full", 2, marks=pytest.mark.slow)])
 def test_remat_keeps_cudnn_attentions_residuals_and_its_flops_are_counted(tmp_path, policy, forward_calls_per_layer):
     """The policies that keep the attention output keep cuDNN's softmax statistics with it (jaxpar.layers.
     attention.cudnn_attention names both), so the backward does not run the flash forward again: one
@@ -96,7 +97,8 @@ def test_remat_keeps_cudnn_attentions_residuals_and_its_flops_are_counted(tmp_pa
     assert report["estimate"]["executed_flops"] == pytest.approx(executed["total"], rel=1e-12)  # the schedule walk's
 
 
-@pytest.mark.parametrize("policy, forward_calls_per_block", [("selective", 1), pytest.param("full", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy, forward_calls_per_block", [pytest.param("selective", 1, marks=pytest.mark.slow),
+                                                                  pytest.param("full", 2, marks=pytest.mark.slow)])
 def test_the_vit_keeps_cudnn_attentions_residuals_too(tmp_path, policy, forward_calls_per_block):
     """vla_tiny's encoder takes cuDNN (no mask; its LLM's prefix-LM mask keeps XLA attention under `auto`)
     through the same named-residual call as the LLM (jaxpar.layers.attention.core_attention)."""
@@ -142,6 +144,7 @@ def test_gpu_without_dry_run_and_missing_compiler_are_one_line(tmp_path):
     assert "make gpu-aot" in done.stderr
 
 
+@pytest.mark.slow  # (test_layout checks fast that the entry points import no JAX before --gpu's set-up)
 def test_a_config_whose_validation_imports_model_code_still_finds_the_compiler(tmp_path):
     """A VLA with sequence parallelism is validated with its model code, which imports JAX: the compiler's
     packages must be on the path before that (it failed with "topology not implemented for cuda")."""

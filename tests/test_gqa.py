@@ -32,7 +32,8 @@ def test_gqa_layout_matches_single_device(n_kv, layout, stage, sp):
     check_gqa_layout(n_kv, layout, stage, sp)
 
 
-@pytest.mark.parametrize("n_kv,layout,stage", [(2, (2, 1, 4), 1), pytest.param(1, (1, 2, 4), 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n_kv,layout,stage", [pytest.param(2, (2, 1, 4), 1, marks=pytest.mark.slow),
+                                             pytest.param(1, (1, 2, 4), 1, marks=pytest.mark.slow)])
 def test_kv_heads_held_whole_on_an_unsplit_tp_axis(monkeypatch, n_kv, layout, stage):
     """The fallback: a mesh whose tp axis is not split for the KV heads."""
     import test_equivalence

@@ -168,12 +168,12 @@ def reference(single=SINGLE):
     return run(single, single=single)
 
 
-# (2,2,2) 1F1B with vision tp 1 and 2 are `slow`: `make test` trains that layout in
+# (2,2,2) with 1F1B (vision tp 1 and 2) and GPipe are `slow`: `make test` trains that layout in
 # tests/test_sequence_parallel.py (vision tp 2, + SP) and tests/test_hf_siglip.py (vision tp 2, SigLIP),
 # and vision tp 1 under LLM tp below (ZeRO-3).
 @pytest.mark.parametrize("mesh,schedule,vision_tp", [
     pytest.param((2, 2, 2), "1f1b", 1, marks=pytest.mark.slow),
-    pytest.param((2, 2, 2), "1f1b", 2, marks=pytest.mark.slow), ((2, 2, 2), "gpipe", 2),
+    pytest.param((2, 2, 2), "1f1b", 2, marks=pytest.mark.slow), pytest.param((2, 2, 2), "gpipe", 2, marks=pytest.mark.slow),
     ((1, 2, 4), "1f1b", 2),  # vision tp 2 inside tp 4: the tp axis is split into ("tp", "tpv")
     ((2, 1, 4), "zero2", 2),  # no pipeline: the LLM's ZeRO-2 grad taps with image tokens
     ((4, 1, 2), "zero3", 1),  # no pipeline: the LLM's ZeRO-3 gathers with image tokens
@@ -198,7 +198,8 @@ def test_vla_matches_single_device(mesh, schedule, vision_tp):
     assert {s.data.shape[2] for s in layers_wq.addressable_shards} == {layers_wq.shape[2] // mesh[2]}
 
 
-@pytest.mark.parametrize("mesh,vision_tp", [((2, 1, 4), 1), pytest.param((1, 2, 4), 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mesh,vision_tp", [pytest.param((2, 1, 4), 1, marks=pytest.mark.slow),
+                                             pytest.param((1, 2, 4), 4, marks=pytest.mark.slow)])
 def test_vla_with_fewer_kv_heads_than_tp_matches_single_device(mesh, vision_tp):
     """tp 4 over 2 KV heads splits the tp axis into ("tp", "tpv") = (2, 2) for the LLM's KV heads
     (jaxpar.sharding.kv_head_ways); the encoder is then data-parallel over both parts (vision tp 1) or
