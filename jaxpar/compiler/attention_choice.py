@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.config import Config
+from jaxpar.config import Config, patches_per_image
 from jaxpar.errors import ConfigError
-from jaxpar.models import vit, vla
+from jaxpar.models import vla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ def sites(config: Config) -> list[Site]:
     if model.kind == "vla":
         v = config.vision
         key = "vision.attention" if v.attention else "model.attention"
-        out.append(Site("ViT", key, dtype, v.width // v.n_heads, vit.patches_per_image(v), "none"))
+        out.append(Site("ViT", key, dtype, v.width // v.n_heads, patches_per_image(v), "none"))
     return out
 
 

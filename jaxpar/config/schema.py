@@ -312,9 +312,13 @@ class Config:
 # ----------------------------------------------------------------------------- loading
 
 
+def patches_per_image(vision: VisionConfig) -> int:
+    return (vision.image_size // vision.patch_size) ** 2
+
+
 def image_tokens(vision: VisionConfig) -> int:
     """The tokens a VLA's images become: patches per image x cameras."""
-    return vision.cameras * (vision.image_size // vision.patch_size) ** 2
+    return vision.cameras * patches_per_image(vision)
 
 
 def vla_sequence_layout(config: Config) -> tuple[int, int, int]:

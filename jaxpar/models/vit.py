@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.config import VisionConfig, image_tokens  # noqa: F401  (image_tokens: re-exported for the models)
+from jaxpar.config import VisionConfig, patches_per_image
 from jaxpar.layers.attention import core_attention, kernel
 from jaxpar.layers.collectives import Collectives
 from jaxpar.layers.norm import layer_norm
@@ -51,10 +51,6 @@ STEM_AXES = {"patch_embed": ("patch", "vit_embed"), "pos_embed": ("patches", "vi
 PROJECTOR_AXES = {"w1": ("vit_embed", "proj_mlp"), "w2": ("proj_mlp", "embed")}
 FILM_AXES = {"film_embed": ("bytes", "vit_embed"), "film_proj": ("vit_embed", "vit_layers", "film_out")}
 INSTRUCTION_VOCAB = 256  # instructions are UTF-8 bytes (jaxpar.data.episodes.instruction_bytes); 0 pads
-
-
-def patches_per_image(cfg: VisionConfig) -> int:
-    return (cfg.image_size // cfg.patch_size) ** 2
 
 
 def block_axes(cfg: VisionConfig) -> dict:

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.config import Config
+from jaxpar.config import Config, image_tokens
 from jaxpar.errors import ConfigError
 from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
@@ -222,7 +222,7 @@ class StepBuilder:
                   "mask": ((batch, seq), jnp.float32)}
         if self.vision is not None:
             v = self.config.vision
-            n_image = vit.image_tokens(v)
+            n_image = image_tokens(v)
             shapes["inputs"] = ((batch, seq - n_image), jnp.int32)
             shapes["images"] = ((batch, v.cameras, v.image_size, v.image_size, v.channels), jnp.float32)
         return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}

@@ -27,9 +27,8 @@ dp outermost.
 
 from __future__ import annotations
 
-from jaxpar.config import Config
+from jaxpar.config import Config, patches_per_image
 from jaxpar.models.flops import model_flops_per_step
-from jaxpar.models import vit
 from jaxpar.planner import traffic
 from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
@@ -110,7 +109,7 @@ def vision_flops(config: Config) -> float:
         return 0.0
     v, d = config.vision, config.model.d_model
     images = config.train.global_batch_size // vision_data_ways(config) * v.cameras
-    n = vit.patches_per_image(v)
+    n = patches_per_image(v)
     fwd = layer_forward(vit_block(config), images, n)
     blocks = v.depth * (3 * fwd["total"] + recompute(fwd, v.remat.policy, output_needed=v.film))
     patch = 2 * 2.0 * images * n * v.patch_size ** 2 * v.channels * v.width  # forward + weight gradient

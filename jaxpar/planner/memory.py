@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxpar.config import Config
+from jaxpar.config import Config, image_tokens, patches_per_image
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel.schedule import pipeline_table
 from jaxpar.parallel.zero import ZeroPlan
@@ -223,12 +223,12 @@ def _vision_activations(config: Config, c: int, target: str) -> dict:
     """The encoder's saved activations and working set, plus the image tokens and their cotangent."""
     v = config.vision
     images = config.train.global_batch_size // vision_data_ways(config) * v.cameras
-    n = vit.patches_per_image(v)
+    n = patches_per_image(v)
     blk = vit_block(config, target)
     dev, host = saved_per_layer(v.remat.policy, blk, images, n, c)
     if target == "cpu":
         dev += host
-    tokens = config.train.global_batch_size // config.mesh.dp * vit.image_tokens(v) * config.model.d_model
+    tokens = config.train.global_batch_size // config.mesh.dp * image_tokens(v) * config.model.d_model
     return {"vision_saved": v.depth * dev, "vision_working_set": layer_working_set(v.remat.policy, blk, images, n, c),
             "image_tokens": (c + 4) * tokens}  # the assembled tokens and their fp32 cotangent accumulator
 
@@ -261,16 +261,19 @@ def _largest_offloaded_leaf(config: Config, counts: dict, st: dict) -> float:
     state. Not validated: XLA:CPU's memory analysis does not separate host from device bytes."""
     if not st["opt_on_host"]:
         return 0.0
+    return st["opt_on_host"] * _mlp_leaf(config) / max(st["opt_params"], 1.0)
+
+
+def _mlp_leaf(config: Config) -> int:
+    """Parameters of the largest stacked leaf one device holds before ZeRO: an MLP matrix of every
+    local layer."""
     m, mesh = config.model, config.mesh
-    leaf = m.n_layers // mesh.pp * m.d_model * m.d_ff // mesh.tp
-    return st["opt_on_host"] * leaf / max(st["opt_params"], 1.0)
+    return m.n_layers // mesh.pp * m.d_model * (m.d_ff // mesh.tp)
 
 
 def _largest_leaf(config: Config) -> float:
-    """Parameters of the largest optimizer-sharded leaf: an MLP matrix stacked over the local layers."""
-    m, mesh = config.model, config.mesh
-    leaf = m.n_layers // mesh.pp * m.d_model * (m.d_ff // mesh.tp)
-    return leaf / (mesh.dp if config.zero.stage >= 1 else 1)
+    """Parameters of the largest optimizer-sharded leaf (_mlp_leaf, split over dp by ZeRO 1-3)."""
+    return _mlp_leaf(config) / (config.mesh.dp if config.zero.stage >= 1 else 1)
 
 
 def _dp_reduction(config: Config, gradients: float) -> float:
@@ -281,8 +284,7 @@ def _dp_reduction(config: Config, gradients: float) -> float:
     if mesh.dp == 1 or config.zero.stage >= 2:
         return 0.0
     g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
-    m = config.model
-    return gradients + 2 * g * (m.n_layers // mesh.pp) * m.d_model * (m.d_ff // mesh.tp)
+    return gradients + 2 * g * _mlp_leaf(config)
 
 
 def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.0) -> dict:
