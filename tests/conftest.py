@@ -91,6 +91,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+LAUNCH_CLUES = ("jaxpar: error", "Error", "may be stuck", "Fatal Python error", "Thread 0x", "File \"", "Traceback")
+
+
+def launch_failure(run, tail: int = 1500) -> str:
+    """A failed multi-process run's story for an assertion message: every line of stderr (both
+    processes write to it) that names an error, a stuck collective or a Python frame (faulthandler's
+    dump when a process aborts), at most 60 of them, then the tail: the tail alone is usually the
+    coordination service's abort, which hides what failed first."""
+    clues = [line for line in run.stderr.splitlines() if any(c in line for c in LAUNCH_CLUES)]
+    return "\n".join(clues[:60]) + "\n...\n" + run.stderr[-tail:]
+
+
 def require(module: str):
     """`pytest.importorskip(module)`, except in CI (CI=true, as .ci/run runs): there a missing test
     dependency is a broken install, and the tests that need it fail instead of passing green as skips."""

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import TINY_MODEL, builder_for, free_port, make_config
+from conftest import TINY_MODEL, builder_for, free_port, launch_failure, make_config
 from jaxpar.parallel.checkpoint import _model_fingerprint, fingerprint_mismatch
 from jaxpar.config import CheckpointConfig, DebugConfig, PipelineConfig, load_config
 from jaxpar.errors import ConfigError
@@ -181,9 +181,10 @@ def test_two_processes_train_like_one(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "launch_local.sh")
+    env = {**os.environ, "PYTHON": sys.executable, "JAXPAR_PORT": str(free_port())}
     two = subprocess.run(["bash", script, "2", *common, "--workdir", str(tmp_path / "two")], capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable})
-    assert two.returncode == 0, two.stderr[-2000:]
+                         text=True, timeout=300, env=env)
+    assert two.returncode == 0, launch_failure(two)
     assert two.stdout.count("done: step 3") == 1  # only process 0 reports
     np.testing.assert_allclose([r["loss"] for r in logged(tmp_path / "two")],
                                [r["loss"] for r in logged(tmp_path / "one")], rtol=1e-6)
@@ -199,7 +200,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_then_resume
     launch = subprocess.Popen(["bash", script, "2", "--config", "llama_tiny", "--workdir", str(workdir),
                                "--config.train.log_every=1", "--config.train.steps=100000"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHON": sys.executable, "JAXPAR_PORT": str(21000 + os.getpid() % 9000)},
+                              env={**os.environ, "PYTHON": sys.executable, "JAXPAR_PORT": str(free_port())},
                               start_new_session=True)
     metrics, deadline = workdir / "metrics.jsonl", time.time() + 240
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):

@@ -16,6 +16,7 @@ from jaxpar.data.normalization import resolve_action_range
 from jaxpar.data.pipeline import make_source
 from jaxpar.errors import ConfigError
 
+from conftest import free_port, launch_failure
 from test_lerobot import STATS_SHIFT, TOP, WRIST, actions_of, write_v21, write_v30
 
 STEPS = 30
@@ -125,12 +126,12 @@ def test_two_processes_train_on_lerobot_and_restart_with_one_writer_per_file(tmp
                  "--config.data.eval_episodes=1", "--config.eval.every=0", f"--config.data.cameras={WRIST},{TOP}",
                  "--config.vision.cameras=2", "--config.model.n_layers=2"]
         return subprocess.run(["bash", script, "2", *flags], capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "PYTHON": sys.executable})
+                              env={**os.environ, "PYTHON": sys.executable, "JAXPAR_PORT": str(free_port())})
 
     first = launch(2)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, launch_failure(first)
     second = launch(4)
-    assert second.returncode == 0 and second.stdout.count("resuming from step 2") == 1, second.stderr[-3000:]
+    assert second.returncode == 0 and second.stdout.count("resuming from step 2") == 1, launch_failure(second)
     run = tmp_path / "run"
     stats = json.loads((run / "action_stats.json").read_text())
     saved = json.loads((run / "config.json").read_text())["actions"]

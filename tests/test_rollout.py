@@ -231,10 +231,14 @@ def test_the_model_policy_is_predict_actions_then_bin_centres(tiny_vla):
     assert 0 <= result["success_rate"] <= 1
 
 
-def test_rollouts_on_the_training_layout_follow_the_one_device_trajectories(tiny_vla):
-    """The training loop's rollouts (eval.rollouts) run the weights where training holds them: the
-    checkpoint restored onto vla_tiny's (2, 2, 2) 1F1B layout with ZeRO-1 steps every scene along
-    the same cells as the one-device policy, so the success rate is the same."""
+def test_rollouts_from_the_training_layout_follow_the_one_device_trajectories(tiny_vla):
+    """The training loop's rollouts (eval.rollouts) start from the weights where training holds them:
+    the checkpoint restored onto vla_tiny's (2, 2, 2) 1F1B layout with ZeRO-1 steps every scene along
+    the same cells as the one-device policy, so the success rate is the same. On this CPU mesh they
+    run without a collective: each leaf is gathered by a program of its own, in which nothing is left
+    unordered, where the decoder partitioned over the layout (the GPU path) would leave hundreds of
+    pairs of collectives unordered: an XLA:CPU hang (a 2-process CI run hung at its last rollout)."""
+    from jaxpar.compiler.hlo_order import unordered_pairs
     from jaxpar.parallel.checkpoint import Checkpointer
     from jaxpar.config import load_config
     from jaxpar.parallel.mesh import Layout
@@ -249,6 +253,7 @@ def test_rollouts_on_the_training_layout_follow_the_one_device_trajectories(tiny
     checkpoints.close()
     assert len(jax.tree.leaves(state.params)[0].sharding.device_set) == 8
     rollouts = rollout.TrainingRollouts(config, builder)
+    assert not rollouts.on_layout
     sharded = rollouts.rollout(state.params)
     single = rollout.run_rollouts(rollout.model_policy(single_config, weights), rollouts.scenes, rollouts.max_steps,
                                   rollouts.shape, config.actions.instruction_len)
@@ -257,6 +262,19 @@ def test_rollouts_on_the_training_layout_follow_the_one_device_trajectories(tiny
     assert len(np.unique(single["trajectories"][-1], axis=0)) > 3  # the scenes went their own ways
     metrics = rollouts.run(state.params)
     assert metrics["eval_success_rate"] == single["success_rate"]
+
+    # what another process's gathers run (here every shard is addressable, so none is needed)
+    for leaf in jax.tree.leaves(state.params):
+        np.testing.assert_array_equal(np.asarray(rollouts.gather(leaf).addressable_data(0)), np.asarray(leaf))
+        assert unordered_pairs(rollouts.gather.lower(leaf).compile().as_text()) == []
+    shape = rollouts.shape
+    images = jax.ShapeDtypeStruct((4, shape.cameras, shape.size, shape.size, 3), np.float32)
+    text = jax.ShapeDtypeStruct((4, config.actions.instruction_len), np.int32)
+    from jaxpar.inference import decode
+
+    on_layout = jax.jit(decode.predict_actions, static_argnums=3, out_shardings=rollouts.replicated)
+    lowered = on_layout.lower(builder.to_model_order(state.params), images, text, config)
+    assert len(unordered_pairs(lowered.compile().as_text())) > 100
 
 
 def cli(capsys, *argv):

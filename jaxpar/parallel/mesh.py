@@ -19,6 +19,7 @@ exactly as many CPU devices as the mesh needs (`jax_num_cpu_devices`); with GPUs
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import math
 import os
 import sys
@@ -161,7 +162,13 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
 
     Explicit flags win; otherwise SLURM (SLURM_NTASKS > 1) or JAX's own env vars
     (JAX_COORDINATOR_ADDRESS) trigger auto-detection by `jax.distributed.initialize()`.
+
+    A process of a multi-process run also dumps every thread's Python stack when it dies on a signal
+    (faulthandler): when one process fails or hangs, the coordination service aborts the others with a
+    C++ stack that does not say where in jaxpar each one was.
     """
+    if coordinator or int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        faulthandler.enable(all_threads=True)
     if coordinator:
         # CPU processes (tests, laptops) talk over gloo; GPUs use NCCL whatever this says.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

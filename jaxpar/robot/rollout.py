@@ -214,12 +214,18 @@ def evaluate(args) -> dict:
 
 
 class TrainingRollouts:
-    """eval.rollouts closed-loop episodes at each evaluation (jaxpar.training.loop), on the training layout.
+    """eval.rollouts closed-loop episodes at each evaluation (jaxpar.training.loop), from the training state.
 
-    The weights stay where training keeps them (any dp, pp, tp, ZeRO stage): jit partitions the
-    one-device decoder over the mesh from the weights' shardings, and the actions come back
-    replicated, so every process steps the same environment with the same actions. The scenes are
-    drawn once, from train.seed, skipping data.train's scenes."""
+    On GPUs the weights stay where training keeps them (any dp, pp, tp, ZeRO stage): jit partitions the
+    one-device decoder over the mesh from the weights' shardings, and the actions come back replicated,
+    so every process steps the same environment with the same actions. On an emulated CPU mesh that
+    program would hold thousands of pairs of collectives the partitioner leaves unordered, and XLA:CPU
+    can enter them in different orders on different devices and hang (docs/design.md, "XLA:CPU
+    deadlocks"); a 2-process CI run did, at its last rollout. There the weights are instead copied to
+    host memory once per evaluation, one leaf per program (a gather of one array: nothing to order),
+    and every process rolls out on its own first device with no collective at all: the same program on
+    the same weights and frames gives every process the same actions, and only process 0 logs them.
+    The scenes are drawn once, from train.seed, skipping data.train's scenes."""
 
     def __init__(self, config, builder):
         import jax
@@ -233,14 +239,33 @@ class TrainingRollouts:
         self.shape = TaskShape.from_config(config, split_task(exclude, grid))
         self.scenes = draw_scenes(config.eval.rollouts, config.train.seed + SEED_SALT, self.shape, exclude)
         self.max_steps = 2 * self.shape.grid
+        self.on_layout = builder.mesh.devices.flat[0].platform != "cpu"
         self.replicated = NamedSharding(builder.mesh, PartitionSpec())
-        self.predict = jax.jit(decode.predict_actions, static_argnums=3, out_shardings=self.replicated)
+        self.predict = jax.jit(decode.predict_actions, static_argnums=3,
+                               out_shardings=self.replicated if self.on_layout else None)
+        self.gather = jax.jit(lambda leaf: leaf, out_shardings=self.replicated)
 
     def _global(self, array: np.ndarray):
         """The same host array on every process -> one replicated global array."""
         import jax
 
         return jax.make_array_from_callback(array.shape, self.replicated, lambda index: array[index])
+
+    def host_leaf(self, leaf) -> np.ndarray:
+        """One training-state array, whole, in this process's memory: assembled from its own shards when
+        they are all here, else replicated by a program of its own (one array: one gather)."""
+        if leaf.is_fully_addressable:
+            return np.asarray(leaf)
+        return np.asarray(self.gather(leaf).addressable_data(0))
+
+    def policy(self, params):
+        """The greedy policy of the training state's `params`, as run_rollouts calls it."""
+        import jax
+
+        if self.on_layout:
+            return model_policy(self.config, self.builder.to_model_order(params), self.predict, self._global)
+        host = self.builder.to_model_order(jax.tree.map(self.host_leaf, params))  # leaf by leaf, in order
+        return model_policy(self.config, jax.device_put(host, jax.local_devices()[0]), self.predict)
 
     def run(self, params) -> dict:
         """The metrics logged at an evaluation."""
@@ -250,8 +275,8 @@ class TrainingRollouts:
 
     def rollout(self, params) -> dict:
         """run_rollouts' result for the training state's params, as they are laid out."""
-        policy = model_policy(self.config, self.builder.to_model_order(params), self.predict, self._global)
-        return run_rollouts(policy, self.scenes, self.max_steps, self.shape, self.config.actions.instruction_len)
+        return run_rollouts(self.policy(params), self.scenes, self.max_steps, self.shape,
+                            self.config.actions.instruction_len)
 
 
 def _json(x: float) -> float | None:
