@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jaxpar.data.instructions import InstructionEncoder
 from jaxpar.data.lerobot import LeRobotSource
 
 CAMERAS = ("observation.images.front", "observation.images.wrist")
@@ -135,7 +136,7 @@ def main() -> None:
                   f"({time.perf_counter() - start:.1f}s)")
 
         def make_source():
-            return LeRobotSource(root, 64, args.image_size, segment_frames=args.segment_frames,
+            return LeRobotSource(root, InstructionEncoder(64), args.image_size, segment_frames=args.segment_frames,
                                  cache_bytes=args.cache_mb << 20)
 
         probe = make_source()

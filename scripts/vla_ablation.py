@@ -20,7 +20,8 @@ import numpy as np
 import optax
 
 from jaxpar.config import load_config
-from jaxpar.data.episodes import instruction_bytes, make_episode, make_scene, scene_key
+from jaxpar.data.episodes import make_episode, make_scene, scene_key
+from jaxpar.data.instructions import InstructionEncoder
 from jaxpar.data.pipeline import episode_batch
 from jaxpar.layers.collectives import Collectives
 from jaxpar.parallel.mesh import Layout
@@ -44,7 +45,7 @@ def episodes(config, count: int, seed: int, objects: int, colour: str | None, ex
         keys.add(key)
         written += 1
         episode = make_episode(rng, squares, target, size=config.vision.image_size)
-        text = instruction_bytes(episode["instruction"], config.actions.instruction_len, "generated episode")
+        text = InstructionEncoder.for_config(config).llm_ids(episode["instruction"], "generated episode")
         for step in range(len(episode["actions"])):
             steps["images"].append(episode["images"][step])
             steps["instruction"].append(text)

@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import TINY_MODEL, builder_for, make_config, replace, require
+from jaxpar.data.instructions import InstructionEncoder
 from jaxpar.config import DataConfig, EvalConfig, load_config
 from jaxpar.data import demo, pipeline, text
 from jaxpar.data.episodes import DONE_MARKER, EpisodeSource, write_split
@@ -493,7 +494,7 @@ HAND_BINS = {-3: 0, -2: 42, -1: 85, 0: 128, 1: 170, 2: 213, 3: 255}  # floor((k/
 
 def test_episode_batch_scales_images_and_puts_action_bins_in_the_last_256_ids(episodes):
     config = vla_config(episodes)
-    source = EpisodeSource(episodes / "train", config.actions.instruction_len)
+    source = EpisodeSource(episodes / "train", InstructionEncoder(config.actions.instruction_len))
     items = [source[i] for i in range(8)]
     records = {k: np.stack([item[k] for item in items]) for k in items[0]}
     batch = episode_batch(config, records, with_values=True)
@@ -518,7 +519,7 @@ def test_vla_grain_batches_are_steps_of_the_episodes(episodes):
     config = vla_config(episodes)
     sharding = builder_for(config).batch_sharding()
     data = GrainData(config, sharding)
-    source = EpisodeSource(episodes / "train", 32)
+    source = EpisodeSource(episodes / "train", InstructionEncoder(32))
     for _ in range(4):  # 24 records, 8 per step: into the second epoch
         batch = data.next_batch()
         assert set(batch) == {"images", "inputs", "targets", "mask"}
@@ -561,7 +562,7 @@ def test_vla_eval_data_reads_all_or_the_first_eval_batches_in_file_order(episode
     assert evaluation.batches == expected
     read = list(evaluation)
     assert len(read) == expected
-    source = EpisodeSource(episodes / "heldout", 32)
+    source = EpisodeSource(episodes / "heldout", InstructionEncoder(32))
     for step, batch in enumerate(read):
         assert set(batch) == {"images", "inputs", "targets", "mask", "values"}
         for row in range(8):
@@ -731,7 +732,7 @@ def test_make_vla_data_script_writes_both_splits(tmp_path):
     proc = run_script("make_vla_data.py", tmp_path / "out", "--episodes", 3, "--heldout", 2, "--image_size", 8,
                       "--grid", 2, "--steps", 2, "--dims", 4, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    train, heldout = EpisodeSource(tmp_path / "out" / "train", 32), EpisodeSource(tmp_path / "out" / "heldout", 32)
+    train, heldout = EpisodeSource(tmp_path / "out" / "train", InstructionEncoder(32)), EpisodeSource(tmp_path / "out" / "heldout", InstructionEncoder(32))
     assert (len(train), len(heldout)) == (total_steps(tmp_path / "out" / "train"),
                                           total_steps(tmp_path / "out" / "heldout"))
     assert train.shapes == {"images": (1, 8, 8, 3), "actions": (4,)}

@@ -11,6 +11,7 @@ import signal
 import numpy as np
 import pytest
 
+from jaxpar.data.instructions import InstructionEncoder
 from jaxpar.data.episodes import (COLOURS, DONE_MARKER, EFFECTOR, TABLE, EpisodeSource, expert_action, make_episode,
                                   make_scene, read_scene_keys, render, write_split, write_splits,
                                   SCENES_FILE)
@@ -169,7 +170,7 @@ def test_write_splits_makes_both_splits_with_distinct_scenes(tmp_path):
     heldout = {scene_of(p, 4, 4) for p in (tmp_path / "heldout").glob("*.npz")}
     assert len(train) == 10 and len(heldout) == 5 and not train & heldout
     assert all(len(squares) == 3 and any(s[0] == name for s in squares) for squares, name in train | heldout)
-    source = EpisodeSource(tmp_path / "heldout", 32)
+    source = EpisodeSource(tmp_path / "heldout", InstructionEncoder(32))
     lengths = [len(np.load(p)["actions"]) for p in (tmp_path / "heldout").glob("*.npz")]
     assert source.shapes == {"images": (1, 16, 16, 3), "actions": (5,)} and len(source) == sum(lengths)
 
@@ -217,7 +218,7 @@ def test_episode_source_indexes_every_step_of_every_episode_in_file_order(tmp_pa
     for index, steps in enumerate(lengths):
         write_episode(tmp_path / f"episode_{index:05d}.npz", steps, fill=10 * index,
                       instruction=["move to the red square", "go", "é"][index])
-    source = EpisodeSource(tmp_path, instruction_len=24)
+    source = EpisodeSource(tmp_path, InstructionEncoder(24))
     assert len(source) == 8
     assert source.shapes == {"images": (1, 8, 8, 3), "actions": (3,)}
     expected = [(e, t) for e, steps in enumerate(lengths) for t in range(steps)]
@@ -236,7 +237,7 @@ def test_episode_source_indexes_every_step_of_every_episode_in_file_order(tmp_pa
 
 def test_episode_source_reads_what_write_split_wrote(tmp_path):
     write_split(tmp_path, 3, seed=2, size=16, grid=4, steps=4, dims=7)
-    source = EpisodeSource(tmp_path, 32)
+    source = EpisodeSource(tmp_path, InstructionEncoder(32))
     first = len(np.load(tmp_path / "episode_00000.npz")["actions"])  # where episode 1 starts
     with np.load(tmp_path / "episode_00001.npz") as data:
         for step in range(len(data["actions"])):
@@ -249,11 +250,11 @@ def test_episode_source_reads_what_write_split_wrote(tmp_path):
 
 def test_missing_or_empty_episode_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match=f"no episode_.*{tmp_path / 'missing'}.*make_vla_data.py"):
-        EpisodeSource(tmp_path / "missing", 32)
+        EpisodeSource(tmp_path / "missing", InstructionEncoder(32))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("not an episode")
     with pytest.raises(ConfigError, match=f"no episode_.*{tmp_path / 'empty'}"):
-        EpisodeSource(tmp_path / "empty", 32)
+        EpisodeSource(tmp_path / "empty", InstructionEncoder(32))
 
 
 def test_an_episode_with_other_per_step_shapes_is_named(tmp_path):
@@ -261,37 +262,37 @@ def test_an_episode_with_other_per_step_shapes_is_named(tmp_path):
     write_episode(tmp_path / "episode_00001.npz", 2, size=8)
     write_episode(tmp_path / "episode_00002.npz", 2, size=16)
     with pytest.raises(ConfigError, match=r"episode_00002.npz: per-step images \(1, 16, 16, 3\).*do not match"):
-        EpisodeSource(tmp_path, 32)
+        EpisodeSource(tmp_path, InstructionEncoder(32))
     write_episode(tmp_path / "episode_00002.npz", 2, size=8, dims=4)
     with pytest.raises(ConfigError, match=r"episode_00002.npz: .*actions \(4,\) do not match"):
-        EpisodeSource(tmp_path, 32)
+        EpisodeSource(tmp_path, InstructionEncoder(32))
 
 
 def test_an_episode_whose_images_and_actions_disagree_on_steps_is_named(tmp_path):
     write_episode(tmp_path / "episode_00000.npz", 2)
     write_episode(tmp_path / "episode_00001.npz", 3, actions_steps=2)
     with pytest.raises(ConfigError, match="episode_00001.npz: images .* same T"):
-        EpisodeSource(tmp_path, 32)
+        EpisodeSource(tmp_path, InstructionEncoder(32))
 
 
 def test_a_corrupt_or_incomplete_episode_file_is_named(tmp_path):
     write_episode(tmp_path / "episode_00000.npz", 2)
     (tmp_path / "episode_00001.npz").write_bytes(b"this is not a zip archive")
     with pytest.raises(ConfigError, match="episode_00001.npz: not a readable .npz"):
-        EpisodeSource(tmp_path, 32)
+        EpisodeSource(tmp_path, InstructionEncoder(32))
     np.savez(tmp_path / "episode_00001.npz", images=np.zeros((2, 1, 8, 8, 3), np.uint8),
              actions=np.zeros((2, 3), np.float32))
     with pytest.raises(ConfigError, match="episode_00001.npz: no 'instruction' array"):
-        EpisodeSource(tmp_path, 32)
+        EpisodeSource(tmp_path, InstructionEncoder(32))
 
 
 def test_an_instruction_longer_than_instruction_len_is_named(tmp_path):
     write_episode(tmp_path / "episode_00000.npz", 2, instruction="go")
     write_episode(tmp_path / "episode_00001.npz", 2, instruction="move to the red square")  # 22 bytes
-    source = EpisodeSource(tmp_path, instruction_len=22)
+    source = EpisodeSource(tmp_path, InstructionEncoder(22))
     source.check_instructions()  # exactly instruction_len fits
     assert bytes(source[3]["instruction"]) == b"move to the red square"
-    short = EpisodeSource(tmp_path, instruction_len=21)
+    short = EpisodeSource(tmp_path, InstructionEncoder(21))
     with pytest.raises(ConfigError, match="episode_00001.npz: instruction 'move to the red square' is 22 bytes, "
                                           "longer than actions.instruction_len=21"):
         short.check_instructions()

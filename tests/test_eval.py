@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config
+from jaxpar.data.instructions import InstructionEncoder
 from jaxpar.config import PipelineConfig, load_config
 from jaxpar.data.episodes import EpisodeSource, write_split
 from jaxpar.data.pipeline import episode_batch
@@ -92,7 +93,7 @@ VLA_BASE = load_config("vla_tiny", ["train.global_batch_size=16", "vision.zero.s
 def vla_batch(config, tmp_path):
     v, act = config.vision, config.actions
     write_split(tmp_path, 12, seed=3, size=v.image_size, grid=v.image_size // v.patch_size, dims=act.dims)
-    source = EpisodeSource(tmp_path, act.instruction_len)
+    source = EpisodeSource(tmp_path, InstructionEncoder(act.instruction_len))
     records = [source[i] for i in range(config.train.global_batch_size)]
     stacked = {k: np.stack([r[k] for r in records]) for k in records[0]}
     return episode_batch(config, stacked, with_values=True), stacked["actions"]

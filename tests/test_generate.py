@@ -129,7 +129,8 @@ def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
     import dataclasses
 
     from jaxpar.config import load_config
-    from jaxpar.data.episodes import instruction_bytes, make_episode, make_scene
+    from jaxpar.data.episodes import make_episode, make_scene
+    from jaxpar.data.instructions import utf8_bytes
     from jaxpar.inference.loader import restore_weights
     from jaxpar.training.loop import train
     from jaxpar.parallel.mesh import Layout
@@ -155,7 +156,7 @@ def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
 
     _, _, params = restore_weights(run_dir)
     image = episode["images"][1][None].astype(np.float32) / 255.0
-    text = instruction_bytes(episode["instruction"], config.actions.instruction_len, "test")[None].astype(np.int32)
+    text = utf8_bytes(episode["instruction"], config.actions.instruction_len, "test")[None].astype(np.int32)
     batch = vla.make_batch(config, image, text, np.asarray([out["action"]], np.float32))
     coll = Collectives()
     x = vla.llm_inputs(params, vit.encode(params, batch["images"], config.vision, coll, None, text), batch["inputs"], coll)

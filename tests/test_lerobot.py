@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from jaxpar.data.instructions import InstructionEncoder
 from jaxpar.data.lerobot import LeRobotSource, compute_action_quantiles, is_lerobot, split_episodes
 from jaxpar.data.lerobot_write import scheduling_kept
 from jaxpar.errors import ConfigError
@@ -239,7 +240,7 @@ def mean_error(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.parametrize("version", ["v2.1", "v3.0"])
 def test_every_frame_reads_back(datasets, version):
-    source = LeRobotSource(datasets[version], instruction_len=32, image_size=SIZE)
+    source = LeRobotSource(datasets[version], InstructionEncoder(32), image_size=SIZE)
     assert (source.version, source.fps, source.episode_indices) == (version, FPS, [0, 1, 2])
     assert source.camera_keys == [TOP, WRIST, SIDE]
     assert source.shapes == {"images": (3, SIZE, SIZE, 3), "actions": (7,)}
@@ -263,7 +264,7 @@ def test_every_frame_reads_back(datasets, version):
 
 def test_frames_do_not_leak_across_episodes(datasets):
     """Each decoded frame is nearer its own picture than the same frame index of the neighbour episodes."""
-    source = LeRobotSource(datasets["v3.0"], 32, SIZE, cameras=(TOP,))
+    source = LeRobotSource(datasets["v3.0"], InstructionEncoder(32), SIZE, cameras=(TOP,))
     for e in range(3):
         for f in (0, LENGTHS[e] - 1):
             image = source[int(source.starts[e]) + f]["images"][0]
@@ -273,7 +274,7 @@ def test_frames_do_not_leak_across_episodes(datasets):
 
 
 def test_cameras_order_subset_and_resize(datasets):
-    source = LeRobotSource(datasets["v2.1"], 32, 32, cameras=(SIDE, WRIST))
+    source = LeRobotSource(datasets["v2.1"], InstructionEncoder(32), 32, cameras=(SIDE, WRIST))
     assert source.shapes["images"] == (2, 32, 32, 3) and source.camera_keys == [SIDE, WRIST]
     item = source[LENGTHS[0] + 2]  # episode 1, frame 2
     assert mean_error(item["images"][0], resized(picture(SIDE, 1, 2), 32)) < 1
@@ -281,7 +282,7 @@ def test_cameras_order_subset_and_resize(datasets):
 
 
 def test_episode_selection_keeps_the_given_order(datasets):
-    source = LeRobotSource(datasets["v3.0"], 32, SIZE, episodes=[2, 0])
+    source = LeRobotSource(datasets["v3.0"], InstructionEncoder(32), SIZE, episodes=[2, 0])
     assert source.episode_indices == [2, 0] and len(source) == LENGTHS[2] + LENGTHS[0]
     np.testing.assert_array_equal(source[0]["actions"], actions_of(2)[0])
     np.testing.assert_array_equal(source[LENGTHS[2]]["actions"], actions_of(0)[0])
@@ -289,8 +290,8 @@ def test_episode_selection_keeps_the_given_order(datasets):
 
 
 def test_subset_reads_like_a_fresh_selection(datasets):
-    whole = LeRobotSource(datasets["v3.0"], 32, SIZE, cameras=(WRIST,))
-    part, fresh = whole.subset([2, 0]), LeRobotSource(datasets["v3.0"], 32, SIZE, cameras=(WRIST,), episodes=[2, 0])
+    whole = LeRobotSource(datasets["v3.0"], InstructionEncoder(32), SIZE, cameras=(WRIST,))
+    part, fresh = whole.subset([2, 0]), LeRobotSource(datasets["v3.0"], InstructionEncoder(32), SIZE, cameras=(WRIST,), episodes=[2, 0])
     assert part.episode_indices == [2, 0] and len(part) == len(fresh) and len(whole) == sum(LENGTHS)
     for record in range(len(fresh)):
         for key, value in fresh[record].items():
@@ -305,16 +306,16 @@ def test_action_quantiles(datasets):
     for version in ("v2.1", "v3.0"):
         computed = compute_action_quantiles(datasets[version])
         np.testing.assert_allclose(computed, want, rtol=1e-6, atol=1e-6)
-    q01, q99 = LeRobotSource(datasets["v3.0"], 32, SIZE).action_quantiles()  # from meta/stats.json
+    q01, q99 = LeRobotSource(datasets["v3.0"], InstructionEncoder(32), SIZE).action_quantiles()  # from meta/stats.json
     np.testing.assert_allclose([q01, q99], want + STATS_SHIFT, rtol=1e-6, atol=1e-6)
     assert LeRobotSource.stored_action_quantiles(datasets["v2.1"]) is None
-    q01, q99 = LeRobotSource(datasets["v2.1"], 32, SIZE).action_quantiles()  # no stats.json: computed
+    q01, q99 = LeRobotSource(datasets["v2.1"], InstructionEncoder(32), SIZE).action_quantiles()  # no stats.json: computed
     np.testing.assert_allclose([q01, q99], want, rtol=1e-6, atol=1e-6)
     assert q01.dtype == np.float32 and q01.shape == (7,)
 
 
 def test_pickled_source_reads_the_same_and_decodes_once(datasets):
-    source = LeRobotSource(datasets["v3.0"], 32, SIZE)
+    source = LeRobotSource(datasets["v3.0"], InstructionEncoder(32), SIZE)
     first = source[1]
     assert source.decodes == 3  # episode 0's segment of each camera
     for record in range(LENGTHS[0]):
@@ -328,13 +329,13 @@ def test_pickled_source_reads_the_same_and_decodes_once(datasets):
     assert clone.decodes == 0
     for key in first:
         np.testing.assert_array_equal(clone[1][key], first[key])
-    small = LeRobotSource(datasets["v3.0"], 32, SIZE, cameras=(TOP,), cache_bytes=1)
+    small = LeRobotSource(datasets["v3.0"], InstructionEncoder(32), SIZE, cameras=(TOP,), cache_bytes=1)
     small[0], small[LENGTHS[0]], small[0]
     assert small.decodes == 3  # a one-segment cache decodes episode 0 again
 
 
 def test_segments_and_grain(datasets):
-    source = LeRobotSource(datasets["v2.1"], 32, SIZE, cameras=(TOP,), segment_frames=2)
+    source = LeRobotSource(datasets["v2.1"], InstructionEncoder(32), SIZE, cameras=(TOP,), segment_frames=2)
     records = list(grain.MapDataset.source(source).shuffle(seed=0))
     assert len(records) == sum(LENGTHS) and source.decodes == sum((n + 1) // 2 for n in LENGTHS)
     got = sorted(tuple(r["actions"]) for r in records)
@@ -366,18 +367,18 @@ def rewrite_info(root, **changes):
 def test_metadata_errors(datasets, tmp_path):
     root = copy(datasets, "v2.1", tmp_path)
     with pytest.raises(ConfigError, match="info.json: missing"):
-        LeRobotSource(tmp_path, 32, SIZE)
+        LeRobotSource(tmp_path, InstructionEncoder(32), SIZE)
     with pytest.raises(ConfigError, match=r"info.json: no numeric feature 'action.nope'"):
-        LeRobotSource(root, 32, SIZE, action_key="action.nope")
+        LeRobotSource(root, InstructionEncoder(32), SIZE, action_key="action.nope")
     with pytest.raises(ConfigError, match=r"info.json: camera\(s\) \['observation.images.nope'\].*'observation"):
-        LeRobotSource(root, 32, SIZE, cameras=(TOP, "observation.images.nope"))
+        LeRobotSource(root, InstructionEncoder(32), SIZE, cameras=(TOP, "observation.images.nope"))
     with pytest.raises(ConfigError, match="episodes \\[0, 7\\]"):
-        LeRobotSource(root, 32, SIZE, episodes=[0, 7])
+        LeRobotSource(root, InstructionEncoder(32), SIZE, episodes=[0, 7])
     with pytest.raises(ConfigError, match=r"tasks.jsonl: instruction 'pick up the red cube' is 20 bytes"):
-        LeRobotSource(root, 8, SIZE).check_instructions()
+        LeRobotSource(root, InstructionEncoder(8), SIZE).check_instructions()
     rewrite_info(root, codebase_version="v1.6")
     with pytest.raises(ConfigError, match=r"info.json: codebase_version 'v1.6' is not supported"):
-        LeRobotSource(root, 32, SIZE)
+        LeRobotSource(root, InstructionEncoder(32), SIZE)
 
 
 def test_truncated_parquet(datasets, tmp_path):
@@ -385,14 +386,14 @@ def test_truncated_parquet(datasets, tmp_path):
     path = root / "data/chunk-000/file-001.parquet"
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     with pytest.raises(ConfigError, match=r"file-001.parquet: not a readable parquet file"):
-        LeRobotSource(root, 32, SIZE)
+        LeRobotSource(root, InstructionEncoder(32), SIZE)
 
 
 def test_undecodable_video(datasets, tmp_path):
     root = copy(datasets, "v3.0", tmp_path)
     path = root / f"videos/{WRIST}/chunk-000/file-000.mp4"
     path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8).tobytes())
-    source = LeRobotSource(root, 32, SIZE)  # the metadata is fine: the error comes at the first decode
+    source = LeRobotSource(root, InstructionEncoder(32), SIZE)  # the metadata is fine: the error comes at the first decode
     with pytest.raises(ConfigError, match=rf"{WRIST}/chunk-000/file-000.mp4: cannot decode the video"):
         source[0]
 
@@ -400,7 +401,7 @@ def test_undecodable_video(datasets, tmp_path):
 def test_frames_past_the_video_end(datasets, tmp_path):
     root = copy(datasets, "v2.1", tmp_path)  # v2.1: episode 1's top video holds 2 of its 4 frames
     encode(root / f"videos/chunk-000/{TOP}/episode_000001.mp4", TOP, 1, frames=2)
-    source = LeRobotSource(root, 32, SIZE, episodes=[1])
+    source = LeRobotSource(root, InstructionEncoder(32), SIZE, episodes=[1])
     with pytest.raises(ConfigError, match=rf"{TOP}/episode_000001.mp4: no frame within .* past the video's end"):
         source[3]
     root = copy(datasets, "v3.0", tmp_path / "v3")  # v3.0: the parquet runs past the episode's span of the file
@@ -412,4 +413,4 @@ def test_frames_past_the_video_end(datasets, tmp_path):
     episodes[2]["length"] += 1
     pq.write_table(pa.Table.from_pylist(episodes), root / "meta/episodes/chunk-000/file-000.parquet")
     with pytest.raises(ConfigError, match=rf"{TOP}/chunk-000/file-001.mp4: episode 2's last frame .* past its"):
-        LeRobotSource(root, 32, SIZE)
+        LeRobotSource(root, InstructionEncoder(32), SIZE)

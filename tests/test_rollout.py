@@ -57,7 +57,7 @@ def test_env_replays_the_training_episodes():
     shape = dataclasses.replace(SHAPE, cameras=2)
     drawn = list(episodes.iter_split(60, 5, size=shape.size, grid=shape.grid, dims=shape.dims, cameras=2))
     env = task.TaskEnv(shape, [episode["scene"] for _, episode in drawn])
-    ids, expert = env.instruction_ids(32), task.expert_policy(shape)
+    ids, expert = env.instructions, task.expert_policy(shape)
     assert env.instructions == [episode["instruction"] for _, episode in drawn]
     lengths = np.array([len(episode["actions"]) for _, episode in drawn])
     for t in range(lengths.max()):
@@ -209,24 +209,26 @@ def tiny_vla(tmp_path_factory):
 
 
 def test_the_model_policy_is_predict_actions_then_bin_centres(tiny_vla):
-    from jaxpar.models import vla
+    from jaxpar.data.instructions import utf8_bytes
     from jaxpar.inference import decode
+    from jaxpar.models import vla
 
     config, weights, _ = tiny_vla
     shape = task.TaskShape.from_config(config)
     scenes = task.draw_scenes(12, 2, shape)
     env = task.TaskEnv(shape, scenes)
-    images, ids = env.render(), env.instruction_ids(config.actions.instruction_len)
+    images = env.render()
     policy = rollout.model_policy(config, weights)
-    actions = policy(images, ids)
+    actions = policy(images, env.instructions)
     predict = jax.jit(decode.predict_actions, static_argnums=3)  # (compiled once: the policy's executable)
+    ids = np.stack([utf8_bytes(text, config.actions.instruction_len, "test") for text in env.instructions])
     tokens, _ = predict(weights, images.astype(np.float32) / 255.0, ids.astype(np.int32), config)
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
     np.testing.assert_array_equal(actions, tokenizer.from_bins(tokenizer.tokens_to_bins(np.asarray(tokens))))
     assert len(np.unique(actions[:, 0])) > 1  # the batch's rows are each their own scene's
     placed = rollout.model_policy(config, jax.device_put(weights, jax.devices()[0]))  # already on a device
-    np.testing.assert_array_equal(placed(images, ids), actions)
-    result = rollout.run_rollouts(policy, scenes, 3, shape, config.actions.instruction_len, frames=2)
+    np.testing.assert_array_equal(placed(images, env.instructions), actions)
+    result = rollout.run_rollouts(policy, scenes, 3, shape, frames=2)
     assert result["trajectories"].shape[1:] == (12, 2) and result["frames"].shape[1:] == (2, 16, 16, 3)
     assert 0 <= result["success_rate"] <= 1
 
@@ -256,7 +258,7 @@ def test_rollouts_from_the_training_layout_follow_the_one_device_trajectories(ti
     assert not rollouts.on_layout
     sharded = rollouts.rollout(state.params)
     single = rollout.run_rollouts(rollout.model_policy(single_config, weights), rollouts.scenes, rollouts.max_steps,
-                                  rollouts.shape, config.actions.instruction_len)
+                                  rollouts.shape)
     np.testing.assert_array_equal(sharded["trajectories"], single["trajectories"])
     np.testing.assert_array_equal(sharded["success"], single["success"])
     assert len(np.unique(single["trajectories"][-1], axis=0)) > 3  # the scenes went their own ways

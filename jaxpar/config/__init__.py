@@ -8,9 +8,10 @@ from jaxpar.config.schema import (ATTENTION_KINDS, ONE_FOR_ALL, PIPELINE_SCHEDUL
                                   RESIZE_FILTERS, ActionConfig, CheckpointConfig, CompileConfig, Config,
                                   DataConfig, DebugConfig, EvalConfig, HardwareConfig, InitConfig, MeshConfig,
                                   ModelConfig, OffloadConfig, PipelineConfig, ProfileConfig, RematConfig,
-                                  TrainConfig, VisionConfig, VisionZeroConfig, ZeroConfig, coerce, from_dict,
-                                  image_tokens, load_config_dict, parse_value, patches_per_image, read_config, resolve_config_path,
-                                  schema_type, set_by_path, to_dict, vla_sequence_layout)
+                                  TrainConfig, VisionConfig, VisionZeroConfig, ZeroConfig, carries_instruction_bytes,
+                                  coerce, from_dict, image_tokens, instruction_tokenizer_file, load_config_dict,
+                                  parse_value, patches_per_image, read_config, resolve_config_path, schema_type,
+                                  set_by_path, to_dict, vla_sequence_layout)
 from jaxpar.errors import ConfigError
 
 

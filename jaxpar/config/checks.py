@@ -188,6 +188,10 @@ def _validate_vla(config: Config) -> None:
 
 
 def _validate_action_range(act: ActionConfig) -> None:
+    tokenizer = act.instruction_tokenizer
+    _require(tokenizer in ("auto", "bytes") or tokenizer.endswith(".json"),
+             f"actions.instruction_tokenizer='{tokenizer}' is unknown; use auto, bytes or a Hugging Face "
+             f"tokenizer.json file")
     _require(act.normalization in ("auto", "bounds", "quantile"),
              f"actions.normalization='{act.normalization}' is unknown; use auto, bounds or quantile")
     _require(len(act.q01) == len(act.q99) and len(act.q01) in (0, act.dims),

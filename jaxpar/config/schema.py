@@ -176,7 +176,10 @@ class ActionConfig:
     bins: int = 256
     low: float = -1.0
     high: float = 1.0
-    instruction_len: int = 8  # instruction tokens per example (padded / truncated)
+    instruction_len: int = 8  # instruction ids per example: UTF-8 bytes, or a tokenizer's ids (padded)
+    # how the LLM reads the instruction (jaxpar.data.instructions): auto (the LLM's HF tokenizer.json with
+    # init.llm_from_hf, else bytes; resolved when the run is assembled), bytes, or a tokenizer.json file
+    instruction_tokenizer: str = "auto"
     normalization: str = "auto"  # auto | bounds | quantile
     q01: tuple[float, ...] = ()  # quantile mode: per-dim range; () = from the data at start
     q99: tuple[float, ...] = ()
@@ -326,6 +329,19 @@ def vla_sequence_layout(config: Config) -> tuple[int, int, int]:
     n_image = image_tokens(config.vision)
     prefix = n_image + config.actions.instruction_len
     return n_image, prefix, prefix + config.actions.dims - 1
+
+
+def instruction_tokenizer_file(config: Config) -> str | None:
+    """The tokenizer file a VLA's LLM reads its instruction with (None: UTF-8 bytes; an unresolved
+    `auto` too, which jaxpar.interop.pretrained resolves where a pretrained LLM is read)."""
+    value = config.actions.instruction_tokenizer
+    return None if value in ("auto", "bytes") else value
+
+
+def carries_instruction_bytes(config: Config) -> bool:
+    """Whether a VLA's batches carry the instruction's UTF-8 bytes beside the LLM's ids: FiLM reads
+    bytes, so it needs them when the LLM reads a tokenizer's ids (jaxpar.data.instructions)."""
+    return config.model.kind == "vla" and config.vision.film and instruction_tokenizer_file(config) is not None
 
 
 def resolve_config_path(name: str) -> pathlib.Path:

@@ -27,6 +27,7 @@ import zipfile
 import numpy as np
 
 from jaxpar.data import NPY_LOCK
+from jaxpar.data.instructions import InstructionEncoder
 from jaxpar.errors import ConfigError
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 220), "yellow": (230, 210, 40),
@@ -200,35 +201,19 @@ def _episode_length(path: pathlib.Path, reference: dict | None) -> tuple[int, di
     return images[0], shapes
 
 
-def instruction_bytes(instruction: str, length: int, where: pathlib.Path | str) -> np.ndarray:
-    """The instruction as UTF-8 bytes, 0-padded to `length`; too long is an error naming `where`.
-
-    Bytes, not a tokenizer's ids, also when the VLA's LLM comes from Hugging Face (init.llm_from_hf):
-    training, rollouts and `generate --episode` all read this one function, so they agree; no BOS
-    or template is added because no tokenizer is involved. Moving a pretrained LLM's instruction to
-    its own tokenizer would change the episode and LeRobot batch formats (uint8, instruction_len in
-    bytes) and FiLM's 256-row table, not one call."""
-    text = instruction.encode()
-    if len(text) > length:
-        raise ConfigError(f"{where}: instruction '{instruction}' is {len(text)} bytes, longer than "
-                          f"actions.instruction_len={length}; raise actions.instruction_len")
-    ids = np.zeros(length, np.uint8)
-    ids[:len(text)] = np.frombuffer(text, np.uint8)
-    return ids
-
-
 class EpisodeSource:
     """grain random-access source: record i is step i of the concatenated episodes, as
-    {"images" uint8 [cameras, H, W, 3], "instruction" uint8 [instruction_len] (UTF-8, 0-padded),
-    "actions" float32 [dims]}. Files are indexed from headers; episodes are read on demand (cached)."""
+    {"images" uint8 [cameras, H, W, 3], "instruction" [instruction_len] (the LLM's ids:
+    jaxpar.data.instructions), "actions" float32 [dims]} (+ "instruction_bytes" for FiLM beside a
+    tokenizer's ids). Files are indexed from headers; episodes are read on demand (cached)."""
 
-    def __init__(self, directory: str | pathlib.Path, instruction_len: int):
+    def __init__(self, directory: str | pathlib.Path, encoder: InstructionEncoder):
         self.directory = pathlib.Path(directory)
         self.files = sorted(self.directory.glob("episode_*.npz"))
         if not self.files:
             raise ConfigError(f"no episode_*.npz files in {self.directory}; generate them with "
                               f"scripts/make_vla_data.py or set data.generate=true")
-        self.instruction_len, lengths, self.shapes = instruction_len, [], None
+        self.encoder, lengths, self.shapes = encoder, [], None
         for path in self.files:
             length, self.shapes = _episode_length(path, self.shapes)
             lengths.append(length)
@@ -238,20 +223,20 @@ class EpisodeSource:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def instruction_ids(self, index: int, data=None) -> np.ndarray:
-        """The instruction of episode `index` as UTF-8 bytes, 0-padded to instruction_len."""
+    def instruction(self, index: int, data=None) -> dict:
+        """The instruction of episode `index`, encoded (InstructionEncoder.encode)."""
         path = self.files[index]
         if data is None:
             with np.load(path) as data:
-                return self.instruction_ids(index, data)
-        return instruction_bytes(str(data["instruction"]), self.instruction_len, path)
+                return self.instruction(index, data)
+        return self.encoder.encode(str(data["instruction"]), path)
 
     def episode(self, index: int) -> dict:
         """Episode `index`, decompressed once and kept (up to CACHE_EPISODES per source)."""
         cached = self._cache.get(index)
         if cached is None:
             with NPY_LOCK, np.load(self.files[index]) as data:
-                cached = {"images": data["images"], "instruction": self.instruction_ids(index, data),
+                cached = {"images": data["images"], **self.instruction(index, data),
                           "actions": data["actions"].astype(np.float32)}
             if len(self._cache) >= CACHE_EPISODES:
                 self._cache.pop(next(iter(self._cache)))  # the oldest
@@ -261,10 +246,9 @@ class EpisodeSource:
     def __getitem__(self, record: int) -> dict:
         index = int(np.searchsorted(self.starts, record, side="right")) - 1
         episode, step = self.episode(index), record - int(self.starts[index])
-        return {"images": episode["images"][step], "instruction": episode["instruction"],
-                "actions": episode["actions"][step]}
+        return {**episode, "images": episode["images"][step], "actions": episode["actions"][step]}
 
     def check_instructions(self) -> None:
         """Read every instruction (not the images), so a too-long one fails at start, naming its file."""
         for index in range(len(self.files)):
-            self.instruction_ids(index)
+            self.instruction(index)

@@ -54,7 +54,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from jaxpar.data.episodes import instruction_bytes
+from jaxpar.data.instructions import InstructionEncoder
 from jaxpar.data.video import FIX, FrameCache, decode_video, resize
 from jaxpar.errors import ConfigError
 
@@ -279,8 +279,9 @@ def decode_pngs(path: pathlib.Path, key: str, episode: int, rows: slice, size: i
 
 class LeRobotSource:
     """grain random-access source: record i is frame i of the selected episodes (in the order given),
-    as {"images" uint8 [cameras, image_size, image_size, 3], "instruction" uint8 [instruction_len]
-    (the frame's task, UTF-8, 0-padded), "actions" float32 [dims]}.
+    as {"images" uint8 [cameras, image_size, image_size, 3], "instruction" [instruction_len] (the
+    frame's task as the LLM reads it: jaxpar.data.instructions; + "instruction_bytes" for FiLM beside
+    a tokenizer's ids), "actions" float32 [dims]}.
 
     The episodes, actions, timestamps and task indices are read at construction (only those parquet
     columns), so a bad file fails at start. Pixels are decoded on demand, one segment (the whole
@@ -289,14 +290,14 @@ class LeRobotSource:
     frames fit in it. Shorter segments bound the work of a cache miss (lerobot's videos have a keyframe
     every 2 frames) when they do not. The source pickles without its cache or open files (grain workers)."""
 
-    def __init__(self, directory, instruction_len: int, image_size: int, cameras: tuple[str, ...] | None = None,
+    def __init__(self, directory, encoder: InstructionEncoder, image_size: int, cameras: tuple[str, ...] | None = None,
                  episodes: list[int] | None = None, action_key: str = "action", *, cache_bytes: int = CACHE_BYTES,
                  segment_frames: int | None = None, resize: str = "area"):
         self.directory = pathlib.Path(directory)
         self.info_path = self.directory / "meta" / "info.json"
         info = load_info(self.directory)
         self.version, self.fps = info["codebase_version"], float(info["fps"])
-        self.instruction_len, self.image_size, self.action_key = instruction_len, image_size, action_key
+        self.encoder, self.image_size, self.action_key = encoder, image_size, action_key
         self.resize = resize  # vision.resize: how frames are brought to image_size (see `resize`)
         self.camera_keys = select_cameras(info, cameras, self.info_path)
         self.camera_sizes = {k: camera_size(k, info["features"][k], self.info_path) for k in self.camera_keys}
@@ -381,8 +382,7 @@ class LeRobotSource:
         slot = int(np.searchsorted(self.starts, record, side="right")) - 1
         step = record - int(self.starts[slot])
         images = np.stack([self.frame(slot, key, step) for key in self.camera_keys])
-        return {"images": images, "instruction": self.instruction(int(self.task_index[record])),
-                "actions": self.actions[record]}
+        return {"images": images, **self.instruction(int(self.task_index[record])), "actions": self.actions[record]}
 
     def frame(self, slot: int, camera: str, step: int) -> np.ndarray:
         """Frame `step` of camera `camera` of the slot-th selected episode, its segment decoded once."""
@@ -412,12 +412,13 @@ class LeRobotSource:
                                 self.resize)
         return decode_pngs(episode["data"], camera, episode["index"], rows, self.image_size, self.resize)
 
-    def instruction(self, task: int) -> np.ndarray:
+    def instruction(self, task: int) -> dict:
+        """Task `task`'s instruction, encoded once (InstructionEncoder.encode)."""
         ids = self._instructions.get(task)
         if ids is None:
             if task not in self.tasks:
                 raise ConfigError(f"{self.tasks_path}: no task_index {task}, which the frames use; {FIX}")
-            ids = self._instructions[task] = instruction_bytes(self.tasks[task], self.instruction_len, self.tasks_path)
+            ids = self._instructions[task] = self.encoder.encode(self.tasks[task], self.tasks_path)
         return ids
 
     def check_instructions(self) -> None:

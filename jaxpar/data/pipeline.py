@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxpar.config import Config
 from jaxpar.data.episodes import EpisodeSource
+from jaxpar.data.instructions import InstructionEncoder
 from jaxpar.data.synthetic import SyntheticData
 from jaxpar.data.text import TokenSource
 from jaxpar.errors import ConfigError
@@ -62,7 +63,8 @@ def episode_batch(config: Config, records: dict, with_values: bool = False) -> d
     from jaxpar.models import vla
 
     images = records["images"].astype(np.float32) / 255.0
-    batch = vla.make_batch(config, images, records["instruction"].astype(np.int32), records["actions"])
+    batch = vla.make_batch(config, images, records["instruction"].astype(np.int32), records["actions"],
+                           records.get("instruction_bytes"))
     if with_values:
         batch["values"] = vla.action_values(config, records["actions"])
     return batch
@@ -77,7 +79,7 @@ def make_source(config: Config, directory: str, split: str = "train"):
     from jaxpar.data.lerobot import LeRobotSource, is_lerobot
 
     if is_lerobot(directory):
-        source = LeRobotSource(directory, config.actions.instruction_len, config.vision.image_size,
+        source = LeRobotSource(directory, InstructionEncoder.for_config(config), config.vision.image_size,
                                cameras=config.data.cameras or None, resize=config.vision.resize)
         if config.data.eval_episodes:
             source = source.subset(held_out_split(config, source.episode_indices)[split])
@@ -85,7 +87,7 @@ def make_source(config: Config, directory: str, split: str = "train"):
         if config.data.cameras or config.data.eval_episodes:
             raise ConfigError(f"data.cameras and data.eval_episodes are for LeRobot datasets; {directory} holds "
                               f"jaxpar episodes (all cameras, in order; held out in their own data.eval directory)")
-        source = EpisodeSource(directory, config.actions.instruction_len)
+        source = EpisodeSource(directory, InstructionEncoder.for_config(config))
     _check_episode_shapes(config, source)
     source.check_instructions()
     return source

@@ -76,14 +76,16 @@ def forward_embedded(params: dict, x_BxTxD: jax.Array, cache: dict, start, cfg: 
 
 
 def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT: jax.Array,
-                    config) -> tuple[jax.Array, jax.Array]:
+                    config, instruction_bytes_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """A VLA's greedy action tokens [B, dims] on one device, and the logits they were chosen from
     [B, dims, bins]: the image + instruction prefix in one call, then one action token per call,
-    each the most likely among the action tokens only."""
+    each the most likely among the action tokens only. `instruction_bytes_BxT`: what FiLM reads
+    when the LLM reads a tokenizer's ids (jaxpar.data.instructions)."""
     from jaxpar.models import vit, vla
 
     coll, cfg, dims = Collectives(), config.model, config.actions.dims
-    tokens = vit.encode(params, images_BxCamxHxWxC, config.vision, coll, None, instruction_BxT)
+    film = instruction_BxT if instruction_bytes_BxT is None else instruction_bytes_BxT
+    tokens = vit.encode(params, images_BxCamxHxWxC, config.vision, coll, None, film)
     x = vla.llm_inputs(params, tokens, instruction_BxT, coll)
     prefix = x.shape[1]
     cache = init_cache(cfg, x.shape[0], prefix + dims - 1, cfg.n_kv_heads, x.dtype)

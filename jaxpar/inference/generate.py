@@ -268,7 +268,7 @@ def predict_episode_action(args) -> dict:
     import jax
     import numpy as np
 
-    from jaxpar.data.episodes import instruction_bytes
+    from jaxpar.data.instructions import InstructionEncoder
     from jaxpar.inference.loader import restore_weights
     from jaxpar.models import vla
     from jaxpar.inference import decode
@@ -286,8 +286,8 @@ def predict_episode_action(args) -> dict:
     if not 0 <= args.step < len(images):
         raise ConfigError(f"--step {args.step} is outside {path}'s {len(images)} steps")
     image = images[args.step][None].astype(np.float32) / 255.0  # as the training pipeline scales them
-    text = instruction_bytes(instruction, config.actions.instruction_len, path)[None].astype(np.int32)
-    tokens = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config)[0])[0]
+    text, film = InstructionEncoder.for_config(config).encode_batch([instruction], path)  # as training encoded it
+    tokens = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config, film)[0])[0]
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
     action = tokenizer.from_bins(tokenizer.tokens_to_bins(tokens))
     return {"action_ids": tokens.tolist(), "action": np.round(action, 6).tolist(),

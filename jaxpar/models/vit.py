@@ -50,7 +50,7 @@ STEM_AXES = {"patch_embed": ("patch", "vit_embed"), "pos_embed": ("patches", "vi
              "final_scale": ("vit_embed",), "final_bias": ("vit_embed",)}
 PROJECTOR_AXES = {"w1": ("vit_embed", "proj_mlp"), "w2": ("proj_mlp", "embed")}
 FILM_AXES = {"film_embed": ("bytes", "vit_embed"), "film_proj": ("vit_embed", "vit_layers", "film_out")}
-INSTRUCTION_VOCAB = 256  # instructions are UTF-8 bytes (jaxpar.data.episodes.instruction_bytes); 0 pads
+INSTRUCTION_VOCAB = 256  # FiLM reads the instruction's UTF-8 bytes (jaxpar.data.instructions); 0 pads
 
 
 def block_axes(cfg: VisionConfig) -> dict:

@@ -50,11 +50,16 @@ class ActionTokenizer:
         return np.asarray(tokens) >= self.first_id
 
 
-def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, actions: np.ndarray) -> dict:
-    """Host batch: images [B, cams, H, W, C], instruction ids [B, T_text], actions [B, dims] in [low, high].
+def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, actions: np.ndarray,
+               instruction_bytes: np.ndarray | None = None) -> dict:
+    """Host batch: images [B, cams, H, W, C], the LLM's instruction ids [B, T_text], actions [B, dims] in
+    [low, high]; `instruction_bytes` [B, T_text]: what FiLM reads when the LLM reads a tokenizer's ids
+    (jaxpar.data.instructions; without it FiLM reads the instruction ids, which are then bytes).
 
     The LLM sees [image tokens, instruction, actions[:-1]]; position j predicts element j+1, so the
-    targets are [0 x (n_image-1), instruction, actions] and the mask selects the action targets.
+    targets are [0 x (n_image-1), instruction, actions] and the mask selects the action targets: the
+    last `dims` positions (by place, not by id: a tokenizer's instruction ids may fall among the
+    action bins' ids, as OpenVLA's bins reuse a Llama's last 256 tokens).
     """
     tokenizer = ActionTokenizer(config.actions, config.model.vocab_size)
     action_ids = tokenizer.bins_to_tokens(tokenizer.to_bins(actions))
@@ -62,11 +67,14 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
     n_image, _, _ = sequence_layout(config)
     batch_size = tokens.shape[0]
     targets = np.concatenate([np.zeros((batch_size, n_image - 1), np.int32), tokens], axis=1)
-    mask = tokenizer.is_action(targets).astype(np.float32)
+    mask = np.zeros(targets.shape, np.float32)
+    mask[:, -config.actions.dims:] = 1.0
     if config.model.text_loss:
         mask[:, n_image - 1:n_image - 1 + instructions.shape[1]] = 1.0
-    mask[:, : n_image - 1] = 0.0
-    return {"images": images.astype(np.float32), "inputs": tokens[:, :-1], "targets": targets, "mask": mask}
+    batch = {"images": images.astype(np.float32), "inputs": tokens[:, :-1], "targets": targets, "mask": mask}
+    if instruction_bytes is not None:
+        batch["instruction_bytes"] = np.asarray(instruction_bytes, np.int32)
+    return batch
 
 
 def action_values(config: Config, actions_BxA: np.ndarray) -> np.ndarray:
@@ -81,7 +89,9 @@ def eval_sums(config: Config, token_loss_BxS: jax.Array, pred_BxS: jax.Array, ba
     decoded continuous action (the predicted bin's centre) against the true value."""
     act, first_id = config.actions, config.model.vocab_size - config.actions.bins
     targets = batch["targets"]
-    is_action_BxS = (targets >= first_id).astype(jnp.float32)
+    is_action_S = np.zeros(targets.shape[1], np.float32)
+    is_action_S[-act.dims:] = 1.0  # the action targets are the last dims (make_batch)
+    is_action_BxS = jnp.broadcast_to(is_action_S, targets.shape)
     tokenizer = ActionTokenizer(act, config.model.vocab_size)
     low_S, width_S = np.zeros(targets.shape[1], np.float32), np.zeros(targets.shape[1], np.float32)
     low_S[-act.dims:], width_S[-act.dims:] = tokenizer.low, tokenizer.width  # the action targets are the last dims
@@ -106,7 +116,10 @@ def synthetic_batch(config: Config, step: int, batch_size: int) -> dict:
 
 
 def instruction_ids(batch: dict, config: Config):
-    """[B, instruction_len] instruction bytes: the first LLM inputs after the image tokens."""
+    """[B, instruction_len] the instruction's UTF-8 bytes, which FiLM reads: the batch's
+    instruction_bytes beside a tokenizer's ids, else the first LLM inputs after the image tokens."""
+    if "instruction_bytes" in batch:
+        return batch["instruction_bytes"]
     return batch["inputs"][:, :config.actions.instruction_len]
 
 

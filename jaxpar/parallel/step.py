@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.config import Config, image_tokens
+from jaxpar.config import Config, carries_instruction_bytes, image_tokens
 from jaxpar.errors import ConfigError
 from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
@@ -225,6 +225,8 @@ class StepBuilder:
             n_image = image_tokens(v)
             shapes["inputs"] = ((batch, seq - n_image), jnp.int32)
             shapes["images"] = ((batch, v.cameras, v.image_size, v.image_size, v.channels), jnp.float32)
+            if carries_instruction_bytes(self.config):  # FiLM's bytes beside a tokenizer's ids
+                shapes["instruction_bytes"] = ((batch, self.config.actions.instruction_len), jnp.int32)
         return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
 
     # ------------------------------------------------------------------ loss and gradients

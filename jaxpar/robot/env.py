@@ -106,10 +106,6 @@ class TaskEnv:
     def instructions(self) -> list[str]:
         return [instruction(colour) for colour in self.colours]
 
-    def instruction_ids(self, length: int) -> np.ndarray:
-        """uint8 [B, length]: each instruction as UTF-8 bytes, 0-padded (as the training pipeline)."""
-        return np.stack([episodes.instruction_bytes(text, length, "the rollout task") for text in self.instructions])
-
     def render(self) -> np.ndarray:
         """uint8 [B, cameras, H, W, 3]: pixel for pixel what episodes.render draws for each scene."""
         cell = self.shape.size // self.shape.grid
@@ -149,7 +145,7 @@ def expert_policy(shape: TaskShape):
     state) keeps it a policy like any other and shows the frames hold everything the task needs."""
     cell = shape.size // shape.grid
 
-    def policy(images: np.ndarray, instructions: np.ndarray) -> np.ndarray:
+    def policy(images: np.ndarray, instructions: list[str]) -> np.ndarray:
         actions = []
         for frame, text in zip(images[:, 0], instructions):
             effector = _first_cell(frame, episodes.EFFECTOR, cell)
@@ -169,8 +165,7 @@ def _first_cell(frame: np.ndarray, colour, cell: int) -> np.ndarray | None:
     return np.array(divmod(int(hits[0]), frame.shape[1])) // cell
 
 
-def _colour_named(ids: np.ndarray) -> str:
-    text = bytes(np.asarray(ids, np.uint8)).rstrip(b"\0").decode()
+def _colour_named(text: str) -> str:
     for colour in COLOUR_NAMES:
         if text == instruction(colour):
             return colour
@@ -181,7 +176,7 @@ def random_policy(shape: TaskShape, seed: int = 0):
     """Uniform actions in [-1, 1]: the chance level a trained policy must beat."""
     rng = np.random.default_rng(seed)
 
-    def policy(images: np.ndarray, instructions: np.ndarray) -> np.ndarray:
+    def policy(images: np.ndarray, instructions: list[str]) -> np.ndarray:
         return rng.uniform(-1.0, 1.0, (len(images), shape.dims)).astype(np.float32)
 
     return policy

@@ -33,26 +33,25 @@ GIF_CAPTION = 14  # pixels of caption under each tile
 GIF_BORDER = {"running": (90, 90, 90), "success": (40, 200, 60), "failure": (220, 40, 40)}
 
 
-def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = TaskShape(),
-                 instruction_len: int = 32, frames: int = 0) -> dict:
+def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = TaskShape(), frames: int = 0) -> dict:
     """Step `policy` on every scene at once until all succeed or `max_steps` steps.
 
-    `policy(images uint8 [B, cameras, H, W, 3], instructions uint8 [B, instruction_len]) -> float
-    [B, dims]` sees all scenes each step (finished ones too: a fixed batch keeps one compiled
+    `policy(images uint8 [B, cameras, H, W, 3], instructions: B strings) -> float [B, dims]` (a model
+    encodes the words as its training did: model_policy) sees all scenes each step (finished ones too: a fixed batch keeps one compiled
     shape). Returns success_rate, mean_steps (over the successes; nan without any),
     expert_mean_steps (the expert's on those same scenes), per-scene `success` [B] and `steps` [B]
     (-1: never), `trajectories` int [T + 1, B, 2] (effector cells), `colours` (the named squares'),
     `seconds`, and with `frames` > 0 the camera-0 `frames` uint8 [T + 1, frames, H, W, 3] of the
     first `frames` scenes (T: the steps taken, fewer than max_steps once every scene is done)."""
     env = TaskEnv(shape, scenes)
-    ids = env.instruction_ids(instruction_len)
+    instructions = env.instructions
     path, recorded, start = [env.effector.copy()], [], time.perf_counter()
     for _ in range(max_steps):
         if env.done.all():
             break
         images = env.render()
         recorded.append(images[:frames, 0])
-        env.step(policy(images, ids))
+        env.step(policy(images, instructions))
         path.append(env.effector.copy())
     recorded.append(env.render()[:frames, 0])
     success = env.done.copy()
@@ -67,16 +66,17 @@ def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = 
 
 
 def model_policy(config, weights, predict=None, place=None):
-    """A VLA's greedy actions as a policy: images scaled to [0, 1] and instruction bytes as the
-    training pipeline feeds them, action tokens de-tokenised to bin centres. `weights`: a dict as
-    jaxpar.inference.loader.restore_weights returns (host numpy: put on the default device once) or jax arrays
-    already placed, in model layer order. The decoder is jitted once; each batch size compiles once.
-    The training loop passes its own jitted `predict` (replicated outputs) and `place` (host arrays
-    -> global arrays) to run on the training layout (TrainingRollouts)."""
+    """A VLA's greedy actions as a policy: images scaled to [0, 1] and the instruction encoded as the
+    training pipeline encodes it (jaxpar.data.instructions), action tokens de-tokenised to bin centres.
+    `weights`: a dict as jaxpar.inference.loader.restore_weights returns (host numpy: put on the
+    default device once) or jax arrays already placed, in model layer order. The decoder is jitted
+    once; each batch size compiles once. The training loop may pass its own jitted `predict` and
+    `place` (host arrays -> global arrays) to run on the training layout (TrainingRollouts)."""
     import jax
 
-    from jaxpar.models import vla
+    from jaxpar.data.instructions import InstructionEncoder
     from jaxpar.inference import decode
+    from jaxpar.models import vla
 
     if config.model.kind != "vla":
         raise ConfigError(f"rollouts need a VLA; this config is a {config.model.kind}")
@@ -85,10 +85,15 @@ def model_policy(config, weights, predict=None, place=None):
     predict = predict or jax.jit(decode.predict_actions, static_argnums=3)
     place = place or (lambda array: array)
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
+    encoder, encoded = InstructionEncoder.for_config(config), {}
 
-    def policy(images: np.ndarray, instructions: np.ndarray) -> np.ndarray:
+    def policy(images: np.ndarray, instructions: list[str]) -> np.ndarray:
+        key = tuple(instructions)
+        if key not in encoded:  # the same scenes' words every step
+            arrays = encoder.encode_batch(instructions, "the rollout task")
+            encoded[key] = tuple(None if a is None else place(a) for a in arrays)
         pixels = place(np.asarray(images).astype(np.float32) / 255.0)
-        tokens = np.asarray(predict(weights, pixels, place(np.asarray(instructions).astype(np.int32)), config)[0])
+        tokens = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1])[0])
         return np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(tokens)), np.float32)
 
     return policy
@@ -194,11 +199,11 @@ def evaluate(args) -> dict:
     exclude, note = train_scenes(config)
     shape = TaskShape.from_config(config, split_task(exclude, config.vision.image_size // config.vision.patch_size))
     scenes = draw_scenes(args.scenes, args.seed + SEED_SALT, shape, exclude)
-    max_steps, length = args.max_steps or 2 * shape.grid, config.actions.instruction_len
+    max_steps = args.max_steps or 2 * shape.grid
     step, weights = restore(workdir, args.checkpoint_step)
     frames = min(args.gif_scenes, args.scenes) if args.gif else 0
-    result = run_rollouts(model_policy(config, weights), scenes, max_steps, shape, length, frames)
-    chance = run_rollouts(random_policy(shape, args.seed), scenes, max_steps, shape, length)
+    result = run_rollouts(model_policy(config, weights), scenes, max_steps, shape, frames)
+    chance = run_rollouts(random_policy(shape, args.seed), scenes, max_steps, shape)
     if args.gif:
         write_gif(pathlib.Path(args.gif), result)
     return {"workdir": str(workdir), "step": int(step), "scenes": len(scenes), "seed": args.seed,
@@ -275,8 +280,7 @@ class TrainingRollouts:
 
     def rollout(self, params) -> dict:
         """run_rollouts' result for the training state's params, as they are laid out."""
-        return run_rollouts(self.policy(params), self.scenes, self.max_steps, self.shape,
-                            self.config.actions.instruction_len)
+        return run_rollouts(self.policy(params), self.scenes, self.max_steps, self.shape)
 
 
 def _json(x: float) -> float | None:
