@@ -112,6 +112,7 @@ def test_nan_step_is_skipped_and_counted(tmp_path):
     assert saved == [3]  # the state after the skipped step: step 2's weights, nothing of step 4
 
 
+@pytest.mark.slow  # two CLI starts
 def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path):
     args = [sys.executable, "-m", "jaxpar.train", "--config", "llama_tiny", "--workdir", str(tmp_path),
             "--config.train.log_every=1", "--config.train.steps=100000"]
@@ -190,6 +191,7 @@ def test_two_processes_train_like_one(tmp_path):
                                [r["loss"] for r in logged(tmp_path / "one")], rtol=1e-6)
 
 
+@pytest.mark.slow  # a 2-process run and a resume (make test keeps test_two_processes_train_like_one)
 def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_then_resumes(tmp_path):
     """A cluster may preempt one node first: the processes agree on the step to stop at (JAX's
     preemption sync point), both exit 0 after one checkpoint of that step, and the run resumes from
@@ -218,6 +220,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step_then_resume
     assert resume.returncode == 0 and f"resuming from step {saved[0]}" in resume.stdout, resume.stderr[-2000:]
 
 
+@pytest.mark.slow  # a 2-process run after a 1-process one
 def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(tmp_path):
     """Two processes restore the latest checkpoint (step 4); process 1 cannot read it, process 0 can.
     They agree: both fall back to step 2, process 0 alone moves step 4 aside and says so once, and
@@ -247,6 +250,7 @@ def test_a_checkpoint_one_process_cannot_read_is_skipped_by_every_process(tmp_pa
     np.testing.assert_allclose(records[2]["loss"], losses[3], rtol=1e-6)
 
 
+@pytest.mark.slow  # two CLI starts
 def test_kill_9_during_async_saves_leaves_a_readable_checkpoint(tmp_path):
     """Checkpoint every step and SIGKILL the trainer mid-run: a save is almost surely in flight.
     Orbax finalises a step by renaming its temporary directory, so the resume finds a complete one."""

@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from jaxpar.train import _cache_dir_problem
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -53,6 +55,7 @@ def entries(cache: pathlib.Path) -> set[str]:
     return {p.name for p in cache.iterdir()} if cache.exists() else set()
 
 
+@pytest.mark.slow  # two CLI starts (make test's 15-minute budget)
 def test_second_start_loads_the_step_from_the_cache_and_an_empty_key_writes_nothing(tmp_path):
     cache, home = tmp_path / "xla", tmp_path / "home"
     first = train(*TINY, f"--config.compile.cache_dir={cache}", "--workdir", tmp_path / "one", home=home)
@@ -77,6 +80,7 @@ def test_second_start_loads_the_step_from_the_cache_and_an_empty_key_writes_noth
     assert entries(cache) == written and not (home / ".cache").exists()  # neither the old dir nor the default
 
 
+@pytest.mark.slow  # two CLI starts (make test's 15-minute budget)
 def test_default_dir_is_per_user_and_an_unwritable_one_warns_once_and_trains(tmp_path):
     home = tmp_path / "home"
     blocker = tmp_path / "a_file"

@@ -122,6 +122,7 @@ def test_cli_json_and_one_line_errors(hf_dirs, capsys):
 
 
 
+@pytest.mark.slow  # trains a VLA, then decodes (make test's 15-minute budget)
 def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
     """A VLA run predicts step K's action token by token with a KV cache (prefix-LM prefix in one
     call). Fed back as the actions of a training batch, the training forward's argmax over action

@@ -35,6 +35,7 @@ def dry_run(tmp_path, *args, env=None):
     return done, (json.loads(report.read_text()) if report.exists() else None)
 
 
+@pytest.mark.slow  # three GPU compiles
 def test_cudnn_attention_under_auto_none_with_xla_and_every_bundle_flag_accepted(tmp_path):
     done, report = dry_run(tmp_path, *TINY, "--gpu", "h100")
     assert done.returncode == 0, done.stderr[-2000:]

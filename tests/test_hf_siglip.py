@@ -122,6 +122,7 @@ def test_siglip_config_mistakes_are_one_line_errors(tmp_path):
         hf_siglip.load_vision(tmp_path, dataclasses.replace(vision_config(tmp_path), film=True))
 
 
+@pytest.mark.slow  # two VLA compiles (make test's 15-minute budget)
 def test_biased_encoder_in_parallel_matches_one_device(tmp_path):
     """The SigLIP encoder (every bias non-zero) in a VLA on (2, 2, 2) with vision tp = 2 and vision
     ZeRO-2 (the per-head biases have no ZeRO dim and stay whole) equals one device: losses and gradients."""
@@ -155,6 +156,7 @@ def test_biased_encoder_in_parallel_matches_one_device(tmp_path):
     assert np.abs(ref_grads["blocks"]["q_bias"]).max() > 1e-4
 
 
+@pytest.mark.slow  # a VLA train step and transformers loads
 def test_vla_export_writes_a_llama_and_a_siglip_that_transformers_loads(tmp_path):
     import json
 

@@ -81,6 +81,7 @@ def test_stage_recompute_matches_single_device():
     assert_matches_single_device(pipeline_config((1, 2, 2), "1f1b", 4, "selective", recompute=True))
 
 
+@pytest.mark.slow  # two bf16 compiles
 def test_bf16_pipeline_is_close_to_single_device():
     assert_matches_single_device(pipeline_config((2, 2, 2), "1f1b", 4, "none", virtual=2, precision="bf16"))
 

@@ -76,6 +76,7 @@ def host_moves(jaxpr) -> collections.Counter:
     return moves
 
 
+@pytest.mark.slow  # four compiles
 def test_temp_bytes_order_none_selective_full_and_offload_keeps_selectives_tensors_on_host():
     temp = {policy: temp_bytes(policy) for policy in POLICIES}
     assert temp["none"] > 1.2 * temp["selective"], temp

@@ -70,6 +70,7 @@ def test_resume_reads_exactly_the_batches_an_uninterrupted_run_reads(corpus, tmp
     assert [r["loss"] for r in resumed] == full[3:]
 
 
+@pytest.mark.slow  # two CLI starts
 def test_training_on_grain_data_gives_the_same_losses_on_another_layout(corpus, tmp_path):
     """(2,1,4) and (4,1,2) train on the same batches to the same losses (single process; the
     multi-shard reading itself is tested in test_data.py and by the 2-process test)."""
@@ -134,6 +135,7 @@ def test_checkpointer_meta_round_trips_the_data_state(tmp_path):
     assert step == 1 and data_state == {"grain": {"next_index": 7}}
 
 
+@pytest.mark.slow  # three CLI starts, one with a grain worker process
 def test_grain_worker_processes_feed_the_same_batches(corpus, tmp_path):
     """data.workers=1 (grain's mp_prefetch, a child process) trains to the same losses as in-process
     reading, and its checkpointed data state resumes a run without workers."""

@@ -256,7 +256,8 @@ def test_dry_run_reports_each_component():
     assert report["param_count"] == vla.llama.param_count(BASE.model) + vit.param_count(BASE.vision, 64)
 
 
-@pytest.mark.parametrize("name,devices,vision_tp", [("vla70b", 64, 2), pytest.param("vla7b", 8, 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("name,devices,vision_tp", [pytest.param("vla70b", 64, 2, marks=pytest.mark.slow),
+                                                     pytest.param("vla7b", 8, 1, marks=pytest.mark.slow),
                                                      pytest.param("vla_openvla", 8, 1, marks=pytest.mark.slow)])
 def test_big_vla_dry_run_compiled_peak_is_under_80gb(tmp_path, name, devices, vision_tp):
     """The real step compiled for the real mesh on emulated CPU devices (a subprocess: it needs its own
