@@ -115,6 +115,9 @@ def parse_module(text: str) -> tuple[dict[str, list[dict]], str | None]:
     return comps, entry
 
 
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
 def _parse_instr(line: str) -> dict | None:
     m = _INSTR.match(line)
     if not m:
@@ -126,7 +129,10 @@ def _parse_instr(line: str) -> dict | None:
     if not op:
         return None
     close = _close(rest, op.end() - 1)
-    args = [a.split()[-1].lstrip("%") for a in _split_top(rest[op.end():close - 1])]
+    # (every fifth operand carries a comment, "/*index=5*/%name": without the comment a long operand
+    # list lost those operands, and with them the paths jaxpar.compiler.hlo_order looks for)
+    args = [_COMMENT.sub(" ", a).split()[-1].lstrip("%") for a in _split_top(rest[op.end():close - 1])
+            if _COMMENT.sub(" ", a).strip()]
     return {"name": m.group(1), "shape": shape, "op": op.group(1), "args": args,
             "attrs": rest[close:]}
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
-from jaxpar.layers.order import backward_ordered, chain_both_ways, cotangent_after, ordered_both_ways
+from jaxpar.layers.order import (backward_ordered, chain_both_ways, cotangent_after, cotangent_summed,
+                                 ordered_both_ways)
 from jaxpar.sharding import is_axes_leaf
 
 
@@ -38,6 +39,7 @@ class Collectives:
     tp_axis: str | None = None  # tensor-parallel mesh axis (row-parallel outputs are summed over it)
     zero3_axis: str | None = None  # ZeRO-3: weights arrive sharded over this axis and are gathered per use
     zero2_axis: str | None = None  # ZeRO-2: weights arrive as (full, grad tap) pairs, see gather_weights
+    dp_reduce_axis: str | None = None  # ZeRO 0-1: each weight's gradient all-reduced at its use (gather_weights)
     zero_logical_axis: str = "embed"  # which logical dim ZeRO shards
     grad_reduce_dtype: Any = None  # dtype ZeRO-2 / ZeRO-3 reduce gradients in (None: the weights' own)
     zero3_prefetch: bool = False  # ZeRO-3: gather layer i+1's weights while layer i computes (scan_layers)
@@ -131,15 +133,22 @@ class Collectives:
     def tp_rank(self) -> jax.Array:
         return jax.lax.axis_index(self.tp_axis) if self.tp_axis else jnp.int32(0)
 
+    @property
+    def taps_weights(self) -> bool:
+        """Whether a weight's use runs a ZeRO collective (a gather, or a gradient reduction in the backward)."""
+        return bool(self.zero2_axis or self.zero3_axis or self.dp_reduce_axis)
+
     def use_weights(self, x: Any, params: Any, logical_axes: Any) -> tuple[Any, Any]:
         """(x, weights): `gather_weights` of `params` for a computation on `x`, in one collective
         order on XLA:CPU (jaxpar.layers.order): the weights' gathers after `x` is computed and before
         the computation's own collectives; in the backward the weights' gradient reductions (and
         the tp sums of gradients of weights replicated over tp) after the computation's input
         gradient, and before that gradient flows on."""
-        if not (self.zero2_axis or self.zero3_axis):  # nothing gathered: order the backward only (no copies)
+        if not self.taps_weights:  # nothing gathered: order the backward only (no copies)
             return backward_ordered(x, params)
         weights = self.gather_weights(params, logical_axes, start=x)
+        if self.zero2_axis or self.dp_reduce_axis:  # the taps' reductions wait for every weight's whole
+            return ordered_both_ways(x, weights), cotangent_summed(weights)  # gradient (its tp sums too)
         return ordered_both_ways(x, weights), weights
 
     def gather_weights(self, params: Any, logical_axes: Any, start: Any = None) -> Any:
@@ -147,8 +156,12 @@ class Collectives:
 
         ZeRO-3: all-gather the dp-sharded weights. ZeRO-2: each weight comes as a pair (full weight,
         dp-sharded grad tap); gradients flow to the tap reduce-scattered, layer by layer, so no device
-        ever holds its whole unreduced gradient. Otherwise the identity.
+        ever holds its whole unreduced gradient. ZeRO 0-1 with dp_reduce_axis: each weight's gradient
+        is all-reduced here, layer by layer. Otherwise the identity.
         """
+        if self.dp_reduce_axis:
+            tap = self.zero_hooks.reduce_tap(self.dp_reduce_axis, self.grad_reduce_dtype)
+            return chain_both_ways(lambda w, axes: tap(w), params, logical_axes, start=start)
         if self.zero2_axis:
             def use(pair, axes):
                 full, shard = pair
@@ -179,7 +192,7 @@ class Collectives:
                                                self.zero_logical_axis, self.grad_reduce_dtype)
 
         def body(x, weights):
-            if not (self.zero2_axis or self.zero3_axis):  # nothing to gather, and the layer's collectives
+            if not self.taps_weights:  # nothing to gather, and the layer's collectives
                 return layer_fn(x, weights), None     # are ordered by its data (a zb B slot drops the dW dots)
             x, weights = self.use_weights(x, weights, layer_axes)
             # ZeRO-3 under remat gathers the weights again in the backward: before the layer's own collectives

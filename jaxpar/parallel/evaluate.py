@@ -29,7 +29,7 @@ class Evaluator:
     def __init__(self, builder):
         self.builder, self.config, self.mesh = builder, builder.config, builder.mesh
         # the training collectives without ZeRO-2's grad taps (there is no backward here)
-        self.coll = dataclasses.replace(builder.collectives(), zero2_axis=None)
+        self.coll = dataclasses.replace(builder.collectives(), zero2_axis=None, dp_reduce_axis=None)
         self.keys = SUM_KEYS[self.config.model.kind]
 
     def _head_sums(self, head, x_BxSxD, batch):

@@ -120,7 +120,7 @@ class StepBuilder:
         _check_host_memory(config, mesh)
         self.dp_axis = DP if mesh.shape[DP] > 1 else None  # no dp collectives at all when dp == 1
         self.zero = ZeroPlan(self.stage, mesh.shape[DP], mesh.shape["pp"] > 1, config.remat.policy,
-                             config.zero.prefetch)
+                             config.zero.prefetch, config.train.grad_accum)
         self.batch_spec = P(self.dp_axis, None)  # [batch, seq]: batch over dp
 
     # ------------------------------------------------------------------ state layout
@@ -235,6 +235,7 @@ class StepBuilder:
         return Collectives(tp_axis=tp, sequence_axis=tp if self.config.mesh.sequence_parallel else None,
                            zero3_axis=DP if self.zero.gathers_weights else None,
                            zero2_axis=DP if self.zero.taps_grads else None, zero3_prefetch=self.zero.prefetches,
+                           dp_reduce_axis=DP if self.zero.reduces_in_backward else None,
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
                            kv_heads_replicated=self.replicates_kv and tp is not None, zero_hooks=zero.LAYER_HOOKS)
 
@@ -280,8 +281,8 @@ class StepBuilder:
         """
         cfg, accum = self.config.model, self.config.train.grad_accum
         coll, policy = self.collectives(), self.remat_policy()
-        if self.dp_axis and not self.zero.gathers_weights:  # each dp rank's own gradients; reduced below
-            params = jax.lax.pcast(params, (DP,), to="varying")
+        if self.zero.reduces_after_backward or self.zero.taps_grads:  # each dp rank's own gradients
+            params = jax.lax.pcast(params, (DP,), to="varying")  # (reduced below, or by ZeRO-2's taps)
         if self.mesh.shape["pp"] > 1:
             return self._pipelined_loss_and_grads(params, batch, image_tokens, token_count, coll, policy)
 

@@ -5,8 +5,10 @@ table in jaxpar.sharding says which mesh axes). Per stage (DeepSpeed's semantics
 
 | stage | sharded over dp                     | gradient reduction over dp                      | gathered per use      |
 |-------|-------------------------------------|-------------------------------------------------|-----------------------|
-| 0     | nothing                             | one all-reduce after the backward               | -                     |
-| 1     | optimizer state, fp32 master        | one all-reduce; each rank updates its shard     | -                     |
+| 0     | nothing                             | all-reduce per layer inside the backward        | -                     |
+|       |                                     | (reduce taps); with a pipeline or accumulation  |                       |
+|       |                                     | one after the backward                          |                       |
+| 1     | optimizer state, fp32 master        | as stage 0; each rank updates its shard         | -                     |
 | 2     | + gradients                         | reduce-scatter per layer inside the backward    | -                     |
 |       |                                     | (grad taps); with a pipeline, per part once its |                       |
 |       |                                     | gradient is final (jaxpar.parallel.pipeline)    |                       |
@@ -17,7 +19,9 @@ Every reduction moves gradients in `grad_reduce`'s dtype (fp32 unless the user p
 
 - `StateSpecs`: the PartitionSpecs of params / grads / optimizer state / master per stage.
 - `ZeroPlan`: which of the mechanisms below one run uses (dp size, pipeline and remat decide).
-- `reduce_gradients`: the stage 0-2 reduction after the backward.
+- `reduce_gradients`: the stage 0-2 reduction after the backward (a pipeline, accumulation).
+- `reduce_tap` (stages 0-1): the per-layer all-reduce inside the backward; an all-reduce moves twice
+  a reduce-scatter's bytes, so ZeRO-2 (`grad_tap`) halves the gradient traffic for the same overlap.
 - `grad_tap` (stage 2) and `gather_weight` (stage 3): the per-layer reduce-scatter inside the backward.
 - `prefetching_layer_scan` (stage 3 with full remat): the layer scan with layer i+1's all-gather
   issued before layer i computes, in the forward and in the backward, and each layer's
@@ -69,6 +73,7 @@ class ZeroPlan:
     pipelined: bool
     remat: str  # the remat policy's name
     prefetch: bool = True  # zero.prefetch
+    grad_accum: int = 1  # train.grad_accum (microbatches summed before one reduction)
 
     @property
     def gathers_weights(self) -> bool:
@@ -89,10 +94,17 @@ class ZeroPlan:
         return self.stage == 2 and self.dp > 1 and not self.pipelined
 
     @property
+    def reduces_in_backward(self) -> bool:
+        """ZeRO 0-1 without a pipeline or accumulation all-reduce each weight's gradient where the
+        backward leaves it (reduce_tap): per layer inside the layer scan. With accumulation that
+        would reduce every microbatch (DDP's no_sync case), so those reduce once after."""
+        return self.stage <= 1 and self.dp > 1 and not self.pipelined and self.grad_accum == 1
+
+    @property
     def reduces_after_backward(self) -> bool:
-        """Gradients reduced after their backward (stages 0-1, pipelined stage 2): once, or with a
-        pipeline part by part as the schedule finishes each."""
-        return self.dp > 1 and not self.gathers_weights and not self.taps_grads
+        """Gradients reduced after their backward (stages 0-1 with a pipeline or accumulation,
+        pipelined stage 2): once, or with a pipeline part by part as the schedule finishes each."""
+        return self.dp > 1 and not (self.gathers_weights or self.taps_grads or self.reduces_in_backward)
 
 
 def reduce_gradients(grads, logical_axes, mesh_axes, scatter: bool, rules: Rules, dtype):
@@ -126,6 +138,25 @@ def grad_tap(axis, dim: int, reduce_dtype):
         return None, _scatter(cotangent, axis, dim, reduce_dtype)
 
     tap.defvjp(lambda full, shard: (full, None), backward)
+    return tap
+
+
+def reduce_tap(axis, reduce_dtype):
+    """identity(w) -> w typed varying over `axis`, whose gradient is the use's gradient summed over
+    `axis`, moved in `reduce_dtype` (None: its own): ZeRO 0-1's all-reduce issued per use inside the
+    backward, as DDP's and Megatron's bucketed reductions, so a layer's reduction runs beside the
+    next layer's backward instead of all of them after the last one."""
+    def vary(w):
+        return jax.lax.pcast(w, axis, to="varying")
+
+    @jax.custom_vjp
+    def tap(w):
+        return vary(w)
+
+    def backward(_, cotangent):
+        return (jax.lax.psum(cotangent.astype(reduce_dtype or cotangent.dtype), axis).astype(cotangent.dtype),)
+
+    tap.defvjp(lambda w: (vary(w), None), backward)
     return tap
 
 
@@ -248,9 +279,10 @@ class LayerHooks:
     (jaxpar.parallel.step) passes LAYER_HOOKS in a Collectives with the ZeRO axes."""
 
     grad_tap: Callable
+    reduce_tap: Callable
     gather_weight: Callable
     prefetching_layer_scan: Callable
     gathered_name: str
 
 
-LAYER_HOOKS = LayerHooks(grad_tap, gather_weight, prefetching_layer_scan, ZERO3_GATHERED)
+LAYER_HOOKS = LayerHooks(grad_tap, reduce_tap, gather_weight, prefetching_layer_scan, ZERO3_GATHERED)

@@ -193,21 +193,23 @@ def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> dict
     gradients' reduction alone (what a pipeline can start before its schedule ends).
 
     Gradients move in grad_reduce's dtype (fp32 by default), weights in the compute dtype. ZeRO-0:
-    one all-reduce of the gradients; ZeRO-1/2: their reduce-scatter + the all-gather of the updated
-    weights; ZeRO-3: the gradients' reduce-scatter + the weights' gathers in the forward and again
-    in the backward. ZeRO-3's gathers and reduce-scatters, and ZeRO-2's without a pipeline, run per
-    layer inside the scans, where GPUs can overlap them with the other layers' compute."""
+    an all-reduce of the gradients; ZeRO-1: the same all-reduce (each rank then updates its shard) +
+    the all-gather of the updated weights; ZeRO-2: the gradients' reduce-scatter + that all-gather;
+    ZeRO-3: the gradients' reduce-scatter + the weights' gathers in the forward and again in the
+    backward. ZeRO-3's gathers and reduce-scatters, and without a pipeline ZeRO-2's reduce-scatters
+    and (with train.grad_accum = 1) ZeRO 0-1's all-reduces, run per layer inside the scans
+    (jaxpar.parallel.zero's taps), where GPUs overlap them with the other layers' compute."""
     mesh, stage = config.mesh, config.zero.stage
     counts = local_params(config)
     psi = counts["llm_layers"] + counts["llm_rest"]
     g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
     bw, link = link_bandwidth(mesh.pp * mesh.tp, mesh.dp, gpus_per_node, hw)
     ring = 0.0 if mesh.dp <= 1 else (mesh.dp - 1) / mesh.dp * psi / bw  # seconds per byte of each element
-    if stage == 0:
-        return {"total": 2 * g * ring, "in_scan": 0.0, "grad_reduce": 2 * g * ring, "link": link}
+    per_layer = mesh.pp == 1 and (stage == 2 or config.train.grad_accum == 1)
     if stage < 3:
-        per_layer = stage == 2 and mesh.pp == 1
-        return {"total": (g + c) * ring, "in_scan": g * ring if per_layer else 0.0, "grad_reduce": g * ring,
+        reduce = (1 if stage == 2 else 2) * g * ring  # a reduce-scatter, or an all-reduce (twice the bytes)
+        gather = c * ring if stage >= 1 else 0.0
+        return {"total": reduce + gather, "in_scan": reduce if per_layer else 0.0, "grad_reduce": reduce,
                 "link": link}
     return {"total": (g + 2 * c) * ring, "in_scan": (g + 2 * c) * ring, "grad_reduce": g * ring, "link": link}
 

@@ -249,7 +249,7 @@ def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dic
         backward = c * llm / scatter
     dv = vision_data_ways(config) if config.model.kind == "vla" else 1
     backward += c * counts["vision"] / (dv if config.vision.zero.stage >= 2 else 1)
-    plan = ZeroPlan(z, dp, pp > 1, config.remat.policy, config.zero.prefetch)
+    plan = ZeroPlan(z, dp, pp > 1, config.remat.policy, config.zero.prefetch, config.train.grad_accum)
     if plan.prefetches:  # one more layer's gathered weights and one more full layer gradient in flight
         backward += 2 * c * counts["llm_layers"] / (config.model.n_layers // pp)
     return {"backward": backward, "reduced": c * llm / (dp if z >= 2 else 1)}
@@ -277,11 +277,12 @@ def _largest_leaf(config: Config) -> float:
 
 
 def _dp_reduction(config: Config, gradients: float) -> float:
-    """GPU bytes while ZeRO 0-1 all-reduce the whole gradient over dp after the backward: the
+    """GPU bytes while ZeRO 0-1 all-reduce the whole gradient over dp after the backward (with a
+    pipeline or accumulation; otherwise each layer's is reduced inside the backward, reduce_tap): the
     compute-dtype gradients, and grad_reduce's copy of two leaves in flight (the async all-reduce of
     one beside the conversion of the next), the largest leaf counting twice."""
     mesh = config.mesh
-    if mesh.dp == 1 or config.zero.stage >= 2:
+    if mesh.dp == 1 or config.zero.stage >= 2 or (mesh.pp == 1 and config.train.grad_accum == 1):
         return 0.0
     g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
     return gradients + 2 * g * _mlp_leaf(config)
