@@ -469,3 +469,21 @@ def test_flops_of_cudnn_attention_forward_backward_causal_gqa_and_layouts():
     assert got["attention"] == 3 * (causal_forward + causal_backward) + bias_forward
     assert got["total"] == got["attention"] and got["dot"] == 0
     assert got["uncounted"] == ["__cudnn$fmhaSoftmaxDropout"] and not got["trip_count_unknown"]
+
+
+def test_every_operand_is_read_past_the_index_comments():
+    """XLA writes /*index=5*/ before every fifth operand of a long list; jaxpar.compiler.hlo_order
+    follows operands to decide which collectives are ordered, so losing them reported ordered pairs
+    as unordered (a bf16 ZeRO-1 step's loss sum and embedding reduction)."""
+    from jaxpar.compiler.hlo_collectives import parse_module
+
+    text = """HloModule m
+
+ENTRY %main (p: f32[]) -> f32[] {
+  %p = f32[] parameter(0)
+  %f = f32[] fusion(%p, %p, %p, %p, %p, /*index=5*/%a.1, %p, %p, %p, %p, /*index=10*/%b.2), kind=kLoop, calls=%c
+}
+"""
+    comps, entry = parse_module(text)
+    fusion = next(i for i in comps[entry] if i["name"] == "f")
+    assert fusion["args"] == ["p"] * 5 + ["a.1"] + ["p"] * 4 + ["b.2"]
