@@ -103,7 +103,7 @@ def load(directory: str, devices: int, process_id: int, processes: int, port: in
            "rss_file_after_gb": round(rss_bytes("RssFile") / 1e9, 2)}
     if export_to:
         start = time.perf_counter()
-        hf_llama.write(jax.device_get(weights), model, export_to)
+        hf_llama.write(jax.device_get(weights), model, export_to, model.max_position)
         out["export_s"] = round(time.perf_counter() - start, 1)
     return out
 

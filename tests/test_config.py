@@ -37,7 +37,7 @@ OTHER_KEYS = {
     "eval.every": int, "eval.batches": int,
     "mesh.sequence_parallel": bool, "grad_reduce": str, "zero.prefetch": bool, "init.from_hf": str, "init.llm_from_hf": str, "init.vision_from_hf": str,
     "model.rope_scaling_factor": float, "model.rope_low_freq_factor": float, "model.rope_high_freq_factor": float,
-    "model.rope_original_max_len": int, "vision.bias": bool,
+    "model.rope_original_max_len": int, "model.max_position": int, "vision.bias": bool,
     "model.attention": str, "vision.attention": str, "profile.steps": str,
     "actions.normalization": str, "actions.q01": tuple[float, ...], "actions.q99": tuple[float, ...],
     "data.cameras": tuple[str, ...], "data.eval_episodes": int, "eval.rollouts": int, "data.demo_format": str,

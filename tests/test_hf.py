@@ -241,7 +241,7 @@ def test_hf_to_jaxpar_to_hf_is_bit_identical(tmp_path, variant):
 
     make_hf_model(tmp_path / "in", variant)
     config = config_for(tmp_path / "in")
-    hf_llama.write(one_device_params(config), config.model, tmp_path / "out")
+    hf_llama.write(one_device_params(config), config.model, tmp_path / "out", config.model.max_position)
     original = load_file(tmp_path / "in" / "model.safetensors")
     written = {}
     for shard in sorted((tmp_path / "out").glob("model-*.safetensors")):
@@ -259,3 +259,47 @@ def test_a_missing_shard_is_named(tmp_path):
     shard.unlink()
     with pytest.raises(ConfigError, match=f"names shard {shard.name}, which is not in"):
         one_device_params(config_for(tmp_path))
+
+
+def _saved_run(run_dir, config):
+    """`config`'s fresh state saved as step 1 of a run directory (what export reads)."""
+    from jaxpar.parallel.checkpoint import Checkpointer
+
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    checkpoints = Checkpointer(run_dir, config)
+    checkpoints.save(1, builder_for(config).init_state(0))
+    checkpoints.close()
+
+
+def test_export_writes_the_runs_positions_and_dtype(tmp_path):
+    """Issue 28 item 6: max_position_embeddings is the Hugging Face init's own (64 here; it was max(8192,
+    2048)) or, from scratch, the trained sequence; --dtype bf16 writes bf16 tensors that transformers
+    loads as bf16, the fp32 export's weights rounded; a bf16 run exports bf16 by default."""
+    from safetensors import safe_open
+
+    from jaxpar import export
+
+    make_hf_model(tmp_path / "hf", "gqa")
+    pretrained = config_for(tmp_path / "hf")
+    assert pretrained.model.max_position == 64
+    scratch = Config(model=dataclasses.replace(pretrained.model, max_position=0), precision="bf16",
+                     train=TrainConfig(global_batch_size=8, seq_len=SEQ))
+    _saved_run(tmp_path / "pre", pretrained)
+    _saved_run(tmp_path / "scratch", scratch)
+    for run, out, extra in (("pre", "fp32", []), ("pre", "bf16", ["--dtype", "bf16"]), ("scratch", "scratch", [])):
+        assert export.main(["--workdir", str(tmp_path / run), "--out", str(tmp_path / out), *extra]) == 0
+
+    def first_tensor(directory):
+        with safe_open(next(directory.glob("model-*.safetensors")), framework="numpy") as f:
+            return f.get_tensor("model.embed_tokens.weight")
+
+    positions = {d: json.loads((tmp_path / d / "config.json").read_text())["max_position_embeddings"]
+                 for d in ("fp32", "bf16", "scratch")}
+    assert positions == {"fp32": 64, "bf16": 64, "scratch": SEQ}
+    assert first_tensor(tmp_path / "fp32").dtype == np.float32 and str(first_tensor(tmp_path / "scratch").dtype) == "bfloat16"
+    np.testing.assert_array_equal(first_tensor(tmp_path / "bf16").astype(np.float32),
+                                  first_tensor(tmp_path / "fp32").astype(first_tensor(tmp_path / "bf16").dtype).astype(np.float32))
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
+    assert loaded.dtype == torch.bfloat16 and loaded.config.max_position_embeddings == 64
+    assert transformers.LlamaForCausalLM.from_pretrained(tmp_path / "fp32", dtype="auto").dtype == torch.float32

@@ -88,6 +88,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # positions the weights are meant for: a Hugging Face init's max_position_embeddings (0: this run's own
+    # LLM sequence length); the export writes it back as max_position_embeddings
+    max_position: int = 0
 
     @property
     def head_dim(self) -> int:

@@ -30,6 +30,7 @@ import pathlib
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from jaxpar.config import Config, ModelConfig
@@ -84,7 +85,8 @@ def model_fields(directory: str | pathlib.Path) -> dict:
     theta, scaling = _rope(hf)
     fields = dict(vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n,
                   n_kv_heads=hf.get("num_key_value_heads") or n, d_ff=hf["intermediate_size"],
-                  rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+                  rope_theta=theta, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                  max_position=int(hf.get("max_position_embeddings") or 0))
     if scaling:
         fields.update(rope_scaling_factor=float(scaling["factor"]),
                       rope_low_freq_factor=float(scaling["low_freq_factor"]),
@@ -223,14 +225,15 @@ def load_weights(directory: str | pathlib.Path, cfg: ModelConfig, shardings: dic
 
 # ----------------------------------------------------------------------------- writing
 
-def hf_config(cfg: ModelConfig) -> dict:
-    """config.json of a LlamaForCausalLM with `cfg`'s shapes (both rope layouts written)."""
+def hf_config(cfg: ModelConfig, max_position: int, dtype: str = "float32") -> dict:
+    """config.json of a LlamaForCausalLM with `cfg`'s shapes (both rope layouts written), for
+    `max_position` positions, its weights in `dtype` (torch's name: float32 / bfloat16)."""
     out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
            "num_key_value_heads": cfg.n_kv_heads, "intermediate_size": cfg.d_ff, "head_dim": cfg.head_dim,
            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-           "max_position_embeddings": max(cfg.rope_original_max_len, 2048), "torch_dtype": "float32"}
+           "max_position_embeddings": max_position, "torch_dtype": dtype, "dtype": dtype}
     scaling = {"rope_type": "default"}
     if cfg.rope_scaling:
         factor, low, high, original = cfg.rope_scaling
@@ -241,8 +244,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
-def hf_tensors(weights: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Host weights in model layer order (numpy, jaxpar layout) -> HF tensors by name."""
+def hf_tensors(weights: dict, cfg: ModelConfig, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Host weights in model layer order (numpy, jaxpar layout) -> HF tensors by name, in `dtype`."""
     n, k, h, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
     out = {TOP_NAMES["embed"]: weights["embed"], TOP_NAMES["final_norm"]: weights["final_norm"],
            TOP_NAMES["lm_head"]: weights["lm_head"].T}
@@ -253,17 +256,23 @@ def hf_tensors(weights: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     for key, convert in as_hf.items():
         for i, layer in enumerate(weights["layers"][key]):
             out[PREFIX.format(i) + LAYER_NAMES[key]] = convert(layer)
-    return {name: np.ascontiguousarray(w, dtype=np.float32) for name, w in out.items()}
+    return {name: np.ascontiguousarray(np.asarray(w, np.float32).astype(dtype)) for name, w in out.items()}
 
 
-def write(weights: dict, cfg: ModelConfig, out_dir: str | pathlib.Path, shard_bytes: int = 2 << 30) -> pathlib.Path:
-    """A Hugging Face Llama directory: config.json, generation_config.json, safetensors shards of at
-    most `shard_bytes` and their index (always written, as the hub's sharded checkpoints are)."""
+EXPORT_DTYPES = {"fp32": ("float32", np.float32), "bf16": ("bfloat16", ml_dtypes.bfloat16)}
+
+
+def write(weights: dict, cfg: ModelConfig, out_dir: str | pathlib.Path, max_position: int, dtype: str = "fp32",
+          shard_bytes: int = 2 << 30) -> pathlib.Path:
+    """A Hugging Face Llama directory: config.json (for `max_position` positions), generation_config.json,
+    safetensors shards in `dtype` (fp32 | bf16) of at most `shard_bytes` and their index (always
+    written, as the hub's sharded checkpoints are)."""
     from safetensors.numpy import save_file
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = hf_tensors(weights, cfg)
+    torch_name, np_dtype = EXPORT_DTYPES[dtype]
+    tensors = hf_tensors(weights, cfg, np_dtype)
     shards: list[dict] = [{}]
     for name, w in tensors.items():
         if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + w.nbytes > shard_bytes:
@@ -277,6 +286,6 @@ def write(weights: dict, cfg: ModelConfig, out_dir: str | pathlib.Path, shard_by
     total = sum(w.nbytes for w in tensors.values())
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, max_position, torch_name), indent=2))
     (out / "generation_config.json").write_text(json.dumps({"do_sample": False}, indent=2))
     return out
