@@ -56,6 +56,7 @@ def check_rows(report: dict, names: list[str], out_dir: pathlib.Path, skipped=()
         assert ("skipped: cuDNN" in line) == (line.split("|")[1].strip() in skipped), line
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_smoke_default_variants(tmp_path):
     """The one-GPU defaults on CPU: the cudnn variants are skipped (exit 0), xla-selective runs."""
     report = run_smoke(tmp_path)

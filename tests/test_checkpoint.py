@@ -99,6 +99,7 @@ def test_a_checkpoint_from_before_a_new_field_restores_when_the_field_keeps_its_
     assert "vision" in fingerprint_mismatch(meta, vla)
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_nan_step_is_skipped_and_counted(tmp_path):
     config = dataclasses.replace(make_config(dp=2, tp=4, steps=5), debug=DebugConfig(nan_at_step=3))
     records = train(config, builder_for(config).mesh, tmp_path, show_progress=False)

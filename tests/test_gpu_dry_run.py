@@ -111,6 +111,7 @@ def test_the_vit_keeps_cudnn_attentions_residuals_too(tmp_path, policy, forward_
     assert kernels["cudnn_attention_forward_calls"] == forward_calls_per_block * blocks
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_sequence_parallelism_reduce_scatters_and_all_gathers_over_tp(tmp_path):
     done, report = dry_run(tmp_path, *TINY, "--gpu", "a100-80gb", "--config.mesh.sequence_parallel=true")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -159,6 +160,7 @@ def overlap(report, op, axis) -> dict:
     return next(r for r in report["overlap"] if (r["op"], r["axis"]) == (op, axis))
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_zero3_prefetch_gathers_the_next_layer_during_this_layers_gemms(tmp_path):
     done, report = dry_run(tmp_path, *TINY, "--gpu", "h100", "--config.mesh.dp=8", "--config.mesh.tp=1",
                            "--config.zero.stage=3", "--config.remat.policy=full", "--config.model.n_layers=4")

@@ -90,6 +90,7 @@ def test_features_equal_transformers_with_tensor_parallel_biases(tmp_path):
     close(np.asarray(jax.jit(run)(params, pixels[:, None])), hf_features(model, pixels))
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_vla_starts_from_llama_and_siglip(tmp_path):
     make_siglip(tmp_path / "siglip")
     llm_dir = tmp_path / "llama"

@@ -111,6 +111,7 @@ def test_offloaded_optimizer_lives_on_host_and_trains_the_same(precision):
         assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.master)} == {HOST}
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_dry_run_reports_offloaded_optimizer_bytes_on_host():
     base = make_config(dp=2, tp=4, stage=1, precision="bf16", model=MEMORY_MODEL)
     on_device = dry_run(base, builder_for(base).mesh)["per_device_bytes"]

@@ -171,8 +171,8 @@ def test_compiled_step_runs_two_tp_all_reduces_per_layer_forward_and_two_backwar
       forward: the vocab-parallel embedding [B, S, D]; the cross-entropy's max and normaliser [B, S];
       one tuple all-reduce XLA combined from the backward's gradient of the head input [B, S, D]
         (the head's f) and the forward's target logit [B, S] (the gradient does not depend on it).
-    Over dp, separately: the token count, the 12 weights' gradients one after another and the loss,
-    after the backward scan. Over dp and tp together: one scalar, the global gradient norm's sum of
+    Over dp, separately: the token count, each of the 9 layer weights' gradients inside the backward
+    scan (once per layer), the head's, final norm's and embedding's, and the loss. Over dp and tp together: one scalar, the global gradient norm's sum of
     squares (StepBuilder._global_norm; XLA's partitioner used to add a tp all-reduce of 9 partial sums).
     """
     mesh, text = compiled(remat)
@@ -208,10 +208,13 @@ def test_compiled_step_runs_two_tp_all_reduces_per_layer_forward_and_two_backwar
     (report,) = [e for e in hlo_collectives.collectives(text, mesh) if e["axis"] == "tp"]
     assert report["count"] == LAYERS * sum(per_layer.values()) + 4
 
-    # dp: ZeRO 0's gradient all-reduce runs once, after the backward scan: no dp traffic per layer
+    # dp: ZeRO 0 all-reduces each weight's gradient where the backward leaves it (issue 30): the 9 layer
+    # weights' inside the backward scan, once per layer; the head's, final norm's and embedding's outside
     dp = [c for c in executed if c["axis"] == "dp"]
-    assert all(c["loop"] is None and c["times"] == 1 for c in dp)
-    shapes = Counter(op[2] for c in dp for op in c["operands"])
-    assert (shapes[SCALAR], sum(shapes.values())) == (2, 2 + 12)  # token count, loss; 12 gradients
+    in_scan = [c for c in dp if c["loop"]]
+    assert len(in_scan) == 9 and all(c["loop"] == "backward" and c["times"] == LAYERS for c in in_scan), in_scan
+    outside = [c for c in dp if not c["loop"]]
+    shapes = Counter(op[2] for c in outside for op in c["operands"])
+    assert (shapes[SCALAR], sum(shapes.values())) == (2, 2 + 3)  # token count, loss; 3 gradients
     n_bytes = sum(e["bytes"] for e in hlo_collectives.collectives(text, mesh) if e["axis"] == "dp")
     assert n_bytes == 4 * tp_local_params(dataclasses.replace(TINY_MODEL, n_layers=LAYERS), TP) + 2 * 4

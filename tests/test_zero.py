@@ -42,6 +42,7 @@ def test_prefetch_matches_single_device(n_layers):
     assert_grads_close(grads, ref_grads)
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_prefetch_with_sequence_parallel_and_accumulation_matches_single_device():
     ref_grads, ref_losses, _ = single_device(3)
     config = zero3_config(2, 4, 3, grad_accum=2)

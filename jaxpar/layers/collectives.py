@@ -41,7 +41,7 @@ class Collectives:
     zero2_axis: str | None = None  # ZeRO-2: weights arrive as (full, grad tap) pairs, see gather_weights
     dp_reduce_axis: str | None = None  # ZeRO 0-1: each weight's gradient all-reduced at its use (gather_weights)
     zero_logical_axis: str = "embed"  # which logical dim ZeRO shards
-    grad_reduce_dtype: Any = None  # dtype ZeRO-2 / ZeRO-3 reduce gradients in (None: the weights' own)
+    grad_reduce_dtype: Any = None  # dtype the ZeRO taps and gathers reduce gradients in (None: the weights' own)
     zero3_prefetch: bool = False  # ZeRO-3: gather layer i+1's weights while layer i computes (scan_layers)
     # ZeRO's per-use mechanisms (grad_tap, gather_weight, prefetching_layer_scan, gathered_name), which
     # the parallel runtime hands in with the ZeRO axes: jaxpar.parallel.zero.LAYER_HOOKS. ZeRO stays in
