@@ -28,7 +28,6 @@ from jaxpar.config import carries_instruction_bytes, instruction_tokenizer_file
 from jaxpar.errors import ConfigError
 
 
-
 def utf8_bytes(instruction: str, length: int, where: pathlib.Path | str) -> np.ndarray:
     """The instruction as UTF-8 bytes, 0-padded to `length`; too long is an error naming `where`."""
     text = instruction.encode()

@@ -167,18 +167,17 @@ def maybe_initialize_distributed(coordinator: str | None = None, num_processes: 
     (faulthandler): when one process fails or hangs, the coordination service aborts the others with a
     C++ stack that does not say where in jaxpar each one was.
     """
-    if coordinator or int(os.environ.get("SLURM_NTASKS", "1")) > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        faulthandler.enable(all_threads=True)
+    from_environment = int(os.environ.get("SLURM_NTASKS", "1")) > 1 or bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+    if not (coordinator or from_environment):
+        return False
+    faulthandler.enable(all_threads=True)
     if coordinator:
         # CPU processes (tests, laptops) talk over gloo; GPUs use NCCL whatever this says.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
-        return True
-    slurm_tasks = int(os.environ.get("SLURM_NTASKS", "1"))
-    if slurm_tasks > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    else:
         jax.distributed.initialize()
-        return True
-    return False
+    return True
 
 
 def devices_for(layout: Layout, dry_run: bool) -> list:

@@ -37,7 +37,8 @@ def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = 
     """Step `policy` on every scene at once until all succeed or `max_steps` steps.
 
     `policy(images uint8 [B, cameras, H, W, 3], instructions: B strings) -> float [B, dims]` (a model
-    encodes the words as its training did: model_policy) sees all scenes each step (finished ones too: a fixed batch keeps one compiled
+    encodes the words as its training did: model_policy) sees all scenes each step (finished ones
+    too: a fixed batch keeps one compiled
     shape). Returns success_rate, mean_steps (over the successes; nan without any),
     expert_mean_steps (the expert's on those same scenes), per-scene `success` [B] and `steps` [B]
     (-1: never), `trajectories` int [T + 1, B, 2] (effector cells), `colours` (the named squares'),
