@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.pipeline import layer_order, reorder_layers
+from jaxpar.parallel.processes import barriers_outside_gloo
 
 # the encoder's layout, init, kernel and the data's resize filter: free (vision.image_mean / image_std are
 # not: they define the inputs the weights were trained on)
@@ -93,6 +94,7 @@ class Checkpointer:
     def __init__(self, workdir: pathlib.Path, config: Config):
         self.config = config
         self.directory = (workdir / "checkpoints").resolve()
+        barriers_outside_gloo()
         options = ocp.CheckpointManagerOptions(max_to_keep=config.checkpoint.keep, create=True,
                                                enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))

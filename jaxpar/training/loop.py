@@ -34,6 +34,7 @@ from jaxpar.data.pipeline import eval_data, train_data
 from jaxpar.training.metrics import MetricsWriter, mfu, peak_flops_per_device
 from jaxpar.models.flops import model_flops_per_step
 from jaxpar.parallel.evaluate import Evaluator, metrics_from_sums
+from jaxpar.parallel.processes import CompiledTogether, meet
 from jaxpar.parallel.step import StepBuilder
 from jaxpar.training.profiling import StepProfiler
 from jaxpar.training.watchdog import CPU_STUCK_S, StepWatchdog
@@ -101,11 +102,13 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
     checkpoints = Checkpointer(workdir, config)
     try:
         data = train_data(config, builder.batch_sharding())
+        meet("the first restore or initialisation")  # their first collectives (jaxpar.parallel.processes)
         state, start, data_state = _initial_state(builder, checkpoints)
         if data_state is not None:
             data.set_state(data_state)
         compile_start = time.perf_counter()
         step_fn = builder.jit_train_step().lower(state, builder.abstract_batch()).compile()
+        meet("the first training step")  # each process compiled at its own speed (jaxpar.parallel.processes)
         progress = tqdm(total=config.train.steps, initial=start, disable=not (is_main and show_progress),
                         unit="step", desc=f"compiled in {time.perf_counter() - compile_start:.1f}s; training")
         logger = StepLogger(MetricsWriter(workdir, enabled=is_main, resume_after=start), progress, config, builder,
@@ -239,7 +242,7 @@ def _move_aside(checkpoints: Checkpointer, step: int, error: BaseException | Non
         print(f"warning: checkpoint of step {step} is unreadable ({reason}); moved it to {moved} and trying "
               f"the previous one")
     if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"jaxpar: checkpoint {step} moved aside")
+        meet(f"checkpoint {step} moved aside")
         checkpoints.reload()
 
 
@@ -257,6 +260,7 @@ def _agreed_unreadable(here: bool) -> bool:
     """True on every process when any process found the checkpoint unreadable."""
     if jax.process_count() == 1:
         return here
+    meet("agreeing on a checkpoint's readability")  # the run's first collective: no process may be 30 s late
     return bool(np.any(multihost_utils.process_allgather(np.array([here], np.int32))))
 
 
@@ -268,7 +272,8 @@ class Evaluation:
     def __init__(self, config: Config, builder: StepBuilder, logger: "StepLogger"):
         self.config, self.logger = config, logger
         self.data = eval_data(config, builder.batch_sharding())
-        self.step_fn = Evaluator(builder).jit_eval_step() if self.data is not None else None
+        self.step_fn = (CompiledTogether(Evaluator(builder).jit_eval_step(), "the first evaluation step")
+                        if self.data is not None else None)
         self.rollouts = None
         if config.eval.rollouts:
             from jaxpar.robot.rollout import TrainingRollouts
