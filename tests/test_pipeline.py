@@ -119,7 +119,7 @@ def test_without_a_dp_reduction_the_layer_gradients_are_taken_whole_after_the_la
     from jaxpar.parallel.pipeline import Pipeline
     table = schedule.build("1f1b", 2, 4, virtual=2)
     alone = Pipeline(table, None, ("pp",))
-    assert alone.final_at == {table.ticks - 1: [("head",), ("layers", None), ("first",)]}
+    assert alone.final_at == {table.ticks - 1: [("head",), ("layers", None)]}  # ("first",) after its own backward
     assert [(first, count) for _, first, count in alone._segments()] == [(p.first, p.count) for p in table.phases]
     reduced = Pipeline(table, None, ("pp", "dp"), reduce_dp=lambda part, grads: grads)
     assert sorted(part for parts in reduced.final_at.values() for part in parts if part[0] == "layers") == [
@@ -127,17 +127,30 @@ def test_without_a_dp_reduction_the_layer_gradients_are_taken_whole_after_the_la
     assert len(reduced.final_at) > 1  # the second chunk's gradient is final before the last tick
 
 
+def ops_within(comps, name: str) -> set[str]:
+    """The ops of computation `name` and of every computation it calls."""
+    ops, stack, seen = set(), [name], set()
+    while stack:
+        for ins in comps.get(stack.pop(), []):
+            ops.add(ins["op"])
+            stack.extend(c for c in hlo_collectives._called(ins) if c not in seen and not seen.add(c))
+    return ops
+
+
 def ticks_after_each_dp_reduction(config) -> tuple[collections.Counter, int]:
     """In the program jaxpar writes (before XLA's passes, which cannot add dependencies): for each
     non-scalar dp all-reduce / reduce-scatter, how many pipeline ticks run in scans that are not among
-    its inputs, i.e. could overlap it; and the ticks of all the scans beside it."""
+    its inputs, i.e. could overlap it; and the ticks of all the scans beside it (the tick scans: those
+    that send activations)."""
     builder = builder_for(config)
     lowered = builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch())
     comps, _ = hlo_collectives.parse_module(lowered.as_text(dialect="hlo"))
     after, ticks = collections.Counter(), set()
     for instrs in comps.values():
         by_name = {i["name"]: i for i in instrs}
-        scans = {i["name"]: hlo_collectives._while_parts(comps, i, by_name)[1] for i in instrs if i["op"] == "while"}
+        loops = {i["name"]: hlo_collectives._while_parts(comps, i, by_name) for i in instrs if i["op"] == "while"}
+        scans = {name: trips for name, (body, trips) in loops.items()  # tick scans send; the first input's loops do not
+                 if "collective-permute" in ops_within(comps, body)}
         for ins in instrs:
             if ins["op"] not in ("all-reduce", "reduce-scatter") or not scans or ins["shape"].startswith("f32[]"):
                 continue
@@ -169,6 +182,31 @@ def test_dp_reductions_are_issued_before_the_ticks_after_their_last_use(virtual,
     after, scan_ticks = ticks_after_each_dp_reduction(dp_config("1f1b", virtual, stage))
     assert scan_ticks == {ticks}
     assert after == collections.Counter(expected)
+
+
+# ----------------------------------------------------------------------------- pp collectives: executed, counted
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("1f1b", 2), ("zb", 1), ("gpipe", 1)])
+def test_the_step_executes_the_pp_collectives_the_planner_counts(schedule, virtual):
+    """(1, 2, 2), m = 4: in the compiled step (loops x trip counts) the activation-sized collectives
+    over pp are the ones jaxpar.parallel.pipeline.activation_collectives counts from the table (and
+    the planner prices): the first input's pp x tp all-reduce runs once per microbatch (m = 4), not
+    once per forward tick (v m + p - 1 = 5 or 9), and its gradient's psum over pp likewise."""
+    from jaxpar.parallel.pipeline import activation_collectives
+    from jaxpar.parallel.schedule import pipeline_table
+
+    config = pipeline_config((1, 2, 2), schedule, 4, "none", virtual)
+    builder = builder_for(config)
+    text = builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch()).compile().as_text()
+    activation = BATCH // 4 * config.train.seq_len * config.model.d_model * 4  # one microbatch, fp32
+    got = collections.Counter()
+    for e in hlo_collectives.collectives(text, builder.mesh, by_size=True):
+        if e["bytes_each"] == activation and "pp" in e["axis"].split("+"):
+            got[(e["op"], e["axis"])] += e["count"]
+    counted = activation_collectives(pipeline_table(config))
+    assert counted["first_input"] == counted["first_input_grad"] == 4
+    assert got == {("collective-permute", "pp"): counted["sends"], ("all-reduce", "pp+tp"): counted["first_input"],
+                   ("all-reduce", "pp"): counted["head"] + counted["first_input_grad"]}
 
 
 # ----------------------------------------------------------------------------- memory from the compiled program

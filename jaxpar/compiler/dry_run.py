@@ -27,7 +27,8 @@ from jaxpar.files import write_atomic
 from jaxpar.layers import order
 from jaxpar.models import llama, vit
 from jaxpar.models.flops import model_flops_per_step
-from jaxpar.parallel.schedule import bubble_fraction
+from jaxpar.parallel.pipeline import activation_collectives
+from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
 from jaxpar.parallel.step import VISION_KEYS, StepBuilder
 from jaxpar.sharding import tree_specs, unused_mesh_axes
 
@@ -141,6 +142,7 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
         "executed_flops_per_device": executed["total"],
         "executed_flops": executed,
         "bubble_fraction": bubble_fraction(config),
+        "pipeline_collectives": _pipeline_collectives(config),
         "compile_s": compile_s,
         "notes": [
             "params/opt_state: exact, from the state's shard shapes, dtypes and memory kinds",
@@ -154,6 +156,9 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
             "plus cuDNN attention's matmuls (forward 4 b h s s d, backward 2.5x, causal half; jaxpar.compiler.hlo_flops.fmha_flops), "
             "loops x trip count, a conditional's costliest branch (jaxpar.compiler.hlo_flops.executed_flops)",
             "bubble_fraction: idle share of the pipeline schedule table's executed slots (0 without pp)",
+            "pipeline_collectives: the activation-sized pp collectives of one step counted from the schedule table "
+            "as the pipeline issues them and the planner prices them (jaxpar.parallel.pipeline.activation_collectives); "
+            "the compiled program's are in `collectives` (tests/test_pipeline.py checks the two agree)",
         ],
         "config": to_dict(config),
     }
@@ -212,8 +217,23 @@ def format_report(report: dict) -> str:
         flops_text(report),
         "collectives per step (optimised program; XLA:CPU shows bf16 collectives as f32):",
         hlo_collectives.summarize(report["collectives"]),
+        *_pipeline_text(report.get("pipeline_collectives")),
     ]
     return "\n".join(lines)
+
+
+def _pipeline_collectives(config) -> dict | None:
+    table = pipeline_table(config)
+    return None if table is None else activation_collectives(table)
+
+
+def _pipeline_text(counts: dict | None) -> list[str]:
+    """One line: the activation-sized pp collectives the schedule table says one step executes."""
+    if not counts:
+        return []
+    return [f"pipeline, per step (schedule table): {counts['sends']} activation sends over pp; activation "
+            f"all-reduces: {counts['first_input']} of the first input (pp x tp), {counts['first_input_grad']} "
+            f"of its gradient and {counts['head']} of the head (pp)"]
 
 
 def _devices_text(report: dict) -> str:

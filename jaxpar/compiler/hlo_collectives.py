@@ -369,7 +369,7 @@ def _walk(comps, name: str, mult: int, unknown: bool, mesh, acc: dict, depth: in
             axis = (permute_axis(attrs, mesh) if base == "collective-permute"
                     else axis_label(parse_replica_groups(attrs, n_dev), mesh))
             for dt, b in _collective_bytes(ins, base, n_dev).items():
-                e = acc.setdefault((base, axis, dt), {"count": 0, "bytes": 0.0, "unknown": False, "async": 0})
+                e = acc.setdefault((base, axis, dt, b), {"count": 0, "bytes": 0.0, "unknown": False, "async": 0})
                 e["count"] += mult
                 e["async"] += mult if (in_async or op.endswith("-start")) else 0
                 e["bytes"] += mult * b
@@ -384,8 +384,10 @@ def _walk(comps, name: str, mult: int, unknown: bool, mesh, acc: dict, depth: in
             _walk(comps, c, mult, unknown, mesh, acc, depth + 1, in_async or op == "async-start")
 
 
-def collectives(hlo_text: str, mesh) -> list[dict]:
-    """Collectives one call of the HLO program executes, grouped by (op, axis, dtype).
+def collectives(hlo_text: str, mesh, by_size: bool = False) -> list[dict]:
+    """Collectives one call of the HLO program executes, grouped by (op, axis, dtype), and with
+    `by_size` by the bytes one execution moves per device too ("bytes_each": e.g. the pipeline's
+    activation-sized ones apart from its scalar sums).
 
     "async": how many of the `count` executions are asynchronous (a `-start` / `-done` pair or an
     async-start wrapper: GPU programs; XLA:CPU runs every collective synchronously).
@@ -399,13 +401,22 @@ def collectives(hlo_text: str, mesh) -> list[dict]:
     comps, entry = parse_module(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in HLO text")
+    sized: dict = {}
+    _walk(comps, entry, 1, False, mesh, sized)
     acc: dict = {}
-    _walk(comps, entry, 1, False, mesh, acc)
+    for (op, axis, dt, each), e in sized.items():
+        key = (op, axis, dt, each) if by_size else (op, axis, dt)
+        total = acc.setdefault(key, {"count": 0, "bytes": 0.0, "unknown": False, "async": 0})
+        for field in ("count", "bytes", "async"):
+            total[field] += e[field]
+        total["unknown"] |= e["unknown"]
     out = []
-    for (op, axis, dt), e in sorted(acc.items()):
+    for key, e in sorted(acc.items()):
         b = e["bytes"]
-        d = {"op": op, "axis": axis, "dtype": dt, "count": e["count"], "bytes": int(b) if b == int(b) else b,
-             "async": e["async"]}
+        d = {"op": key[0], "axis": key[1], "dtype": key[2], "count": e["count"],
+             "bytes": int(b) if b == int(b) else b, "async": e["async"]}
+        if by_size:
+            d["bytes_each"] = int(key[3]) if key[3] == int(key[3]) else key[3]
         if e["unknown"]:
             d["trip_count_unknown"] = True
         out.append(d)

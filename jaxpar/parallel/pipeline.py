@@ -21,10 +21,17 @@ What makes it cheap:
   of the LM head + loss. The last stage's output is broadcast to all stages (one psum over pp) for
   the head; the head's input cotangent is summed back over pp (one psum). Nothing is replicated pp
   times and no stage computes a whole head.
+- **The first input once per microbatch, not once per tick.** Only m of the v m + p - 1 forward
+  ticks run stage 0's chunk 0, so the first inputs of all m microbatches are computed (with their
+  pp x tp all-reduce) in one loop before the ticks, into an [m, ...] buffer the F slots read. Stage
+  0's B slot of chunk 0 writes its input gradient over that microbatch's spent entry (F(i, 0) comes
+  before B(i, 0)), and after the ticks one loop sums each over pp and runs the first input's
+  backward: m psums where a tick-by-tick backward ran v m + p - 1 (vla70b at v = 2: 16, not 35).
+  The buffer costs m activations; the ticks no longer hold the first input's work at all.
 - **Each gradient reduced over dp once it is final.** The scans over ticks are cut after the tick
   that makes a part's gradient final (Schedule.gradients_final): the head after the last loss slot,
-  chunk c of an interleaved pipeline after stage 0's last backward of it, chunk 0 and the
-  embedding after the last tick. Its reduction (a callback: ZeRO decides how) is issued there, so
+  chunk c of an interleaved pipeline after stage 0's last backward of it, chunk 0 after the
+  last tick, the first input after its own backward. Its reduction (a callback: ZeRO decides how) is issued there, so
   on GPUs the remaining ticks can overlap it: with v chunks, (v-1)/v of the layers' gradients.
   Without a reduction to overlap (dp = 1, or ZeRO-2/3 reducing inside the backward) nothing is cut:
   each cut copies the accumulator (a scan carry changing shape), which only the overlap pays for.
@@ -46,7 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.layers.collectives import varying_of
-from jaxpar.layers.order import after, after_on_every_backend, chain, cotangent_summed, ordered_both_ways
+from jaxpar.layers.order import (after, after_on_every_backend, backward_ordered, chain, cotangent_summed,
+                                 ordered_both_ways)
 from jaxpar.parallel.residuals import InputStash, ResidualStash
 from jaxpar.parallel.schedule import IDLE, Schedule
 
@@ -159,20 +167,43 @@ class Pipeline:
                 "W": t.weight[s], "Wc": t.weight_chunk[s], "Ws": t.stash["W"][s]}
 
     # --------------------------------------------------------------- slots of one tick
-    def _stage_input(self, ctx, received, row):
-        """This stage's chunk input: the first input on stage 0's chunk 0 (computed by every stage
-        together, for stage 0's microbatch), else what the previous virtual stage sent."""
+    def _stage_input(self, inputs, received, row):
+        """This stage's chunk input: on stage 0's chunk 0 its microbatch's first input (`inputs`, computed
+        before the ticks), else what the previous virtual stage sent."""
         stage = jax.lax.axis_index(PP)
-        first_mb = jnp.maximum(row["F"][0], 0)
-        data = after(ctx["data_at"](first_mb), received)  # its collectives after the last tick's sends (XLA:CPU)
-        x0 = self.pieces.first_input(ctx["first"], ctx["extra_at"](first_mb), data)
+        x0 = inputs[jnp.maximum(row["F"][0], 0)]
         return jnp.where((stage == 0) & (row["Fc"][stage] == 0), x0, received)
+
+    def _first_inputs(self, ctx):
+        """Every microbatch's first input, [m, ...], typed like a received activation: one first_input
+        (and its collectives) per microbatch, where a tick-by-tick call would run one per tick."""
+        def one(i):
+            x0 = self.pieces.first_input(ctx["first"], ctx["extra_at"](i), ctx["data_at"](i))
+            missing = tuple(a for a in self.act_varying if not varies_over(x0, a))
+            return jax.lax.pcast(x0, missing, to="varying") if missing else x0
+        return jax.lax.map(one, jnp.arange(self.m))
+
+    def _first_input_backward(self, ctx, inputs, dependency):
+        """(gradient of the first input's weights, cotangent of `extra` or None): `inputs` holds, per
+        microbatch, stage 0's input gradient of chunk 0 (the B slots wrote it over the spent first
+        input); it is summed over pp (only stage 0's is real) and pulled back through first_input, one
+        microbatch at a time, after `dependency` (the ticks and their reductions: XLA:CPU order)."""
+        stage = jax.lax.axis_index(PP)
+        inputs = after(inputs, dependency)
+
+        def one(d_first, i):
+            dx0 = jax.lax.psum(jnp.where(stage == 0, inputs[i], jnp.zeros_like(inputs[i])), PP)
+            data_mb = jax.tree.map(lambda a: after(a, dx0), ctx["data_at"](i))
+            _, pullback = jax.vjp(lambda f, e: self.pieces.first_input(f, e, data_mb), ctx["first"], ctx["extra_at"](i))
+            grad, d_extra = pullback(dx0)
+            return self._add(d_first, grad), (None if d_extra is None else d_extra.astype(jnp.float32))
+        return jax.lax.scan(one, self._zeros_f32(ctx["first"]), jnp.arange(self.m))
 
     def _forward_slot(self, ctx, carry, row):
         """F: run this stage's chunk for its microbatch and stash what its backward needs."""
         stage = jax.lax.axis_index(PP)
         mb, chunk, slot = row["F"][stage], row["Fc"][stage], row["Fs"][stage]
-        x_in = self._stage_input(ctx, carry["recv_fwd"], row)
+        x_in = self._stage_input(carry["inputs"], carry["recv_fwd"], row)
         y, acts = ctx["stash"].forward(self._chunk(ctx["layers"], chunk), x_in)
         slot = jnp.where(mb >= 0, slot, self.table.stash_slots)  # an idle slot writes the spare entry
         stash = [jax.lax.dynamic_update_index_in_dim(buf, a, slot, 0) for buf, a in zip(carry["stash"], acts)]
@@ -191,7 +222,8 @@ class Pipeline:
         return dy, {**carry, "grads": grads, "loss": carry["loss"] + weight * loss}
 
     def _backward_slot(self, ctx, carry, row, dy_last, after_forward):
-        """B: the chunk's backward from its stashed residuals; stage 0 also runs the first input's."""
+        """B: the chunk's backward from its stashed residuals; stage 0's input gradient of chunk 0 is kept
+        for the first input's backward after the ticks (over that microbatch's spent first input)."""
         stage = jax.lax.axis_index(PP)
         mb, chunk, slot = row["B"][stage], row["Bc"][stage], jnp.maximum(row["Bs"][stage], 0)
         ends = (stage == self.p - 1) & (chunk == self.v - 1)
@@ -206,19 +238,12 @@ class Pipeline:
             grads = dict(carry["grads"])
         else:
             grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk)}
-        first_mb, first_chunk = row["B"][0], row["Bc"][0]
-        starts = ((first_mb >= 0) & (first_chunk == 0)).astype(dx.dtype)
-        dx0 = jax.lax.psum(jnp.where(stage == 0, dx, jnp.zeros_like(dx)), PP) * starts
+        first_mb = row["B"][0]
         index = jnp.maximum(first_mb, 0)
-        data_mb = jax.tree.map(lambda a: after(a, dx0), ctx["data_at"](index))
-        extra_mb = ctx["extra_at"](index)
-        _, first_pullback = jax.vjp(lambda f, e: self.pieces.first_input(f, e, data_mb), ctx["first"], extra_mb)
-        d_first, d_extra = first_pullback(dx0)
-        grads["first"] = self._add(grads["first"], d_first)
-        carry = {**carry, "grads": grads}
-        if d_extra is not None:
-            carry["d_extra"] = carry["d_extra"].at[index].add(d_extra.astype(jnp.float32))
-        return after(dx, dx0), carry  # the send of dx after dx0's sum (XLA:CPU)
+        starts = (first_mb >= 0) & (row["Bc"][0] == 0)  # the same on every stage; only stage 0's dx is used
+        inputs = jax.lax.dynamic_update_index_in_dim(
+            carry["inputs"], jnp.where(starts, dx, carry["inputs"][index]), index, 0)
+        return dx, {**carry, "grads": grads, "inputs": inputs}
 
     def _weight_slot(self, ctx, carry, row, dependency):
         """W (zb): the weight gradients of a chunk whose B ran earlier, from its residuals and the output
@@ -287,42 +312,42 @@ class Pipeline:
         slots = self.table.stash_slots + 1  # + a spare entry that idle forward slots write
         stash_zeros = [zeros_typed(a.update(shape=(slots,) + a.shape)) for a in ctx["stash"].stash_avals()]
         zeros = jnp.zeros_like(ctx["x0"])
-        carry = {"recv_fwd": zeros, "recv_bwd": zeros, "stash": stash_zeros,
-                 "grads": self._zeros_f32({"first": ctx["first"], "layers": ctx["layers"], "head": ctx["head"]}),
+        carry = {"recv_fwd": zeros, "recv_bwd": zeros, "stash": stash_zeros, "inputs": self._first_inputs(ctx),
+                 "grads": self._zeros_f32({"layers": ctx["layers"], "head": ctx["head"]}),
                  "loss": self._data_typed(jnp.zeros((), jnp.float32))}
         if self.split_backward:
             carry["cot_stash"] = _pcast(jnp.zeros((slots,) + ctx["act"][0], ctx["act"][1]), self.act_varying)
-        if extra is not None:
-            carry["d_extra"] = zeros_typed(jax.typeof(extra).update(dtype=jnp.float32))
         reduced = {}
         for kinds, first, count in self._segments():
             rows = jax.tree.map(jnp.asarray, self._rows(first, count))
             carry, _ = jax.lax.scan(self._tick(ctx, kinds), carry, rows)
-            carry = self._reduce_final(params, carry, reduced, first + count - 1)
+            carry = self._reduce_final(params, carry, reduced, self.final_at.get(first + count - 1, []))
+        d_first, d_extra = self._first_input_backward(ctx, carry.pop("inputs"), (carry, reduced[list(reduced)[-1]]))
+        carry = {**carry, "grads": {**carry["grads"], "first": d_first}}
+        self._reduce_final(params, carry, reduced, [("first",)])
         if ("layers", None) in reduced:
             layers = reduced[("layers", None)]
         else:
             chunks = [reduced[("layers", c)] for c in range(self.v)]
             layers = chunks[0] if self.v == 1 else jax.tree.map(lambda *c: jnp.concatenate(c), *chunks)
         grads = {"first": reduced[("first",)], "head": reduced[("head",)], "layers": layers}
-        return carry["loss"], grads, carry.get("d_extra")
+        return carry["loss"], grads, d_extra
 
     # --------------------------------------------------------------- gradient reductions, early
     def _final_at(self) -> dict[int, list[tuple]]:
-        """{tick: the gradient parts that are final after it}: ("head",), ("layers", chunk), ("first",).
-        Without a dp reduction every part is taken after the last tick, the layers whole as ("layers",
+        """{tick: the gradient parts that are final after it}: ("head",), ("layers", chunk). (The first
+        input's, ("first",), is final after its own backward, which follows the ticks.) Without a dp reduction every part is taken after the last tick, the layers whole as ("layers",
         None): cutting the accumulator chunk by chunk copies it (a scan carry that changes shape is a
         new buffer), which only an overlapped reduction pays for (on the GPU compiler, vla70b's v = 10
         at dp = 1 held ~3 more fp32 copies of the stage's gradients: docs/planner.md)."""
         final, at = self.table.gradients_final(), {}
         if not self.early:
-            return {self.table.ticks - 1: [("head",), ("layers", None), ("first",)]}
+            return {self.table.ticks - 1: [("head",), ("layers", None)]}
         # the accumulator drops its top chunk as it finishes, so chunks must finish from the top down
         assert list(final["chunks"]) == sorted(final["chunks"], reverse=True), final["chunks"]
         at.setdefault(final["head"], []).append(("head",))
         for chunk, tick in reversed(list(enumerate(final["chunks"]))):
             at.setdefault(tick, []).append(("layers", chunk))
-        at.setdefault(final["first"], []).append(("first",))
         return at
 
     def _segments(self) -> list[tuple[str, int, int]]:
@@ -336,14 +361,13 @@ class Pipeline:
                 start = cut
         return out
 
-    def _reduce_final(self, params, carry, reduced: dict, tick: int) -> dict:
-        """Reduce the parts whose gradients are final after `tick` (into `reduced`); weights replicated
+    def _reduce_final(self, params, carry, reduced: dict, parts: list[tuple]) -> dict:
+        """Reduce `parts`, whose gradients are final (into `reduced`); weights replicated
         over pp (the final norm) are summed over stages first. A finished layer chunk leaves the
         accumulator the later scans carry (it is its top chunk), so its reduction has no buffer
         beside it. On XLA:CPU the next scan starts only once every reduction is done (`after` on
         what it carries: one collective order)."""
         grads = carry["grads"]
-        parts = self.final_at.get(tick, [])
         for part in parts:
             name, final = part[0], grads[part[0]]
             if name == "layers" and part[1] is not None:
@@ -385,11 +409,12 @@ class Pipeline:
         """Forward only: the sum over microbatches of `head_fn(head, y, data_mb)` (a tree), where y is
         the last virtual stage's output; head_fn runs on every stage for the same y (spread over pp)."""
         ctx = self._context(params, micro, extra)
+        inputs = self._first_inputs(ctx)
 
         def tick_fn(with_loss):
             def tick(carry, row):
                 chunk = row["Fc"][jax.lax.axis_index(PP)]
-                y = self.pieces.body(self._chunk(ctx["layers"], chunk), self._stage_input(ctx, carry["recv"], row))
+                y = self.pieces.body(self._chunk(ctx["layers"], chunk), self._stage_input(inputs, carry["recv"], row))
                 y = cotangent_summed(y) if with_loss else y  # used by the head and the send (XLA:CPU order)
                 sums = carry["sums"]
                 if with_loss:
@@ -402,8 +427,12 @@ class Pipeline:
                 return {"recv": jax.lax.ppermute(y, PP, self.send_next), "sums": sums}, None
             return tick
 
-        carry = {"recv": jnp.zeros_like(ctx["x0"]), "sums": zero_sums}
+        carry, head_ordered = {"recv": jnp.zeros_like(ctx["x0"]), "sums": zero_sums}, False
         for with_loss, first, count in self._forward_phases():
+            if with_loss and not head_ordered:  # GPipe's backward (autodiff) runs the ticks before this one
+                # only once the head's gradient is summed over pp: independent collectives (XLA:CPU order)
+                carry, head = backward_ordered(carry, params["head"])
+                ctx["head"], head_ordered = _to_pp_varying(head), True
             rows = jax.tree.map(jnp.asarray, self._rows(first, count))
             carry, _ = jax.lax.scan(tick_fn(with_loss), carry, rows)
         return carry["sums"]
@@ -421,9 +450,22 @@ class Pipeline:
 
         loss, (grads, d_extra) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, extra)
         reduced = {}
-        for part, g in grads.items():  # one after another (XLA:CPU)
-            reduced[part] = self.reduce_dp(part, after(g, list(reduced.values())))
+        for part, g in grads.items():  # one after another, after the whole backward (XLA:CPU)
+            reduced[part] = self.reduce_dp(part, after(g, list(reduced.values()) or (grads, d_extra)))
         return loss, reduced, d_extra
+
+
+def activation_collectives(table: Schedule) -> dict[str, int]:
+    """The activation-sized collectives over pp one training step of this runtime executes, by what
+    they carry (the dry run reads the same counts from the compiled program, the planner prices
+    them): `sends`, one ppermute per tick in which any stage forwards and one per tick in which any
+    backs up; `first_input`, the first input's pp x tp all-reduce, and `first_input_grad`, stage 0's
+    input gradient summed over pp, once per microbatch; `head`, the last stage's output broadcast and
+    the head's input cotangent summed, two per tick with a loss slot. GPipe's backward, autodiff of
+    its forward, issues the same: each send and sum has one transpose."""
+    ticks_with = lambda kind: sum(ph.count for ph in table.phases if kind in ph.kinds)  # noqa: E731
+    return {"sends": ticks_with("F") + ticks_with("B"), "first_input": table.microbatches,
+            "head": 2 * ticks_with("L"), "first_input_grad": table.microbatches}
 
 
 # ------------------------------------------------------------------- layer order of interleaved stages

@@ -31,6 +31,7 @@ from jaxpar.config import Config, patches_per_image
 from jaxpar.models.flops import model_flops_per_step
 from jaxpar.planner import traffic
 from jaxpar.compiler.hardware import GB, Hardware
+from jaxpar.parallel.pipeline import activation_collectives
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
 from jaxpar.planner.memory import (Block, llm_block, local_params, microbatch,
                                   seq_len, vision_data_ways, vit_block)
@@ -160,12 +161,15 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     tp_bw, tp_link = link_bandwidth(1, mesh.tp, gpus_per_node, hw)
     tp_s = ring_allreduce_s((2 * forwards + 2) * (m.n_layers // p) * passes * activation, mesh.tp, tp_bw)
     dp = _dp_comm_s(config, hw, gpus_per_node, c)
-    # pp: one activation per executed F slot and one cotangent per B slot, point to point; per
-    # microbatch 4 all-reduces over pp (embedding output and last hidden state, forward and backward)
+    # pp: the activation-sized sends and all-reduces the pipeline executes (counted from its table as
+    # jaxpar.parallel.pipeline issues them: one send per tick with forwards and one per tick with
+    # backwards; per microbatch the first input's all-reduce and its gradient's, and two for the head)
     pp_bw, pp_link = link_bandwidth(mesh.tp, p, gpus_per_node, hw)
-    slots = slot_counts(config)
-    sends_s = 0.0 if p == 1 else (slots["F"] + slots["B"]) * activation / pp_bw
-    pp_s = sends_s + (0.0 if p == 1 else 4 * passes * ring_allreduce_s(activation, p, pp_bw))
+    table = pipeline_table(config)
+    pp_ops = activation_collectives(table) if table is not None else {}
+    sends_s = pp_ops.get("sends", 0) * activation / pp_bw
+    all_reduces = sum(n for kind, n in pp_ops.items() if kind != "sends")
+    pp_s = sends_s + all_reduces * ring_allreduce_s(activation, p, pp_bw)
     # what a GPU's schedule hides (XLA's latency-hiding scheduler, jaxpar.compiler.gpu_program): the backward's
     # tp all-reduces run beside its weight-gradient matmuls; the pipeline's sends beside the ticks' compute
     tp_exposed = tp_s * 2 * forwards / (2 * forwards + 2)
