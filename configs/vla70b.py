@@ -15,8 +15,8 @@ roofline walk of XLA's schedule with a matmul efficiency of 0.55 fitted on a 1B 
 estimated 1.27 s/step, MFU 31.3%, compiled peak 29.96 GiB (fits 80 GB with room; 1.34 s, 29.7%, 29.97 GiB
 while the first input's all-reduce and its gradient's ran on all 87 ticks instead of the 8 microbatches,
 issue 30 item 3; 1.38 s, 44.67 GiB before the pipeline stopped cutting its gradient accumulator by chunk
-when dp = 1), against 3.11 s,
-12.7%, 40.4 GiB for the seed's layout (DP=2, PP=4, TP=8, ZeRO-1, full recompute, 1F1B m=16; ViT
+when dp = 1), against 3.13 s,
+12.6%, 40.3 GiB for the seed's layout (DP=2, PP=4, TP=8, ZeRO-1, full recompute, 1F1B m=16; ViT
 TP=2, DP=32; fp32 reductions; instruction 32): there 0.67 s of the step waits on the cross-node dp
 all-reduce and 0.43 s on the ViT's ZeRO-2 traffic and the dp all-gather, and full recompute plus
 the 16% bubble execute 1.48x the model FLOPs. In the default, compute is 1.04 s of the 1.27 s (1.06 s
