@@ -26,13 +26,13 @@ What makes it cheap:
   pp x tp all-reduce) in one loop before the ticks, into an [m, ...] buffer the F slots read. Stage
   0's B slot of chunk 0 writes its input gradient over that microbatch's spent entry (F(i, 0) comes
   before B(i, 0)), and after the ticks one loop sums each over pp and runs the first input's
-  backward: m psums where a tick-by-tick backward ran v m + p - 1 (vla70b at v = 2: 16, not 35).
+  backward: m psums where a tick-by-tick backward ran v m + p - 1 (vla70b, v = 10: 8, not 87).
   The buffer costs m activations; the ticks no longer hold the first input's work at all.
 - **Each gradient reduced over dp once it is final.** The scans over ticks are cut after the tick
   that makes a part's gradient final (Schedule.gradients_final): the head after the last loss slot,
   chunk c of an interleaved pipeline after stage 0's last backward of it, chunk 0 after the
-  last tick, the first input after its own backward. Its reduction (a callback: ZeRO decides how) is issued there, so
-  on GPUs the remaining ticks can overlap it: with v chunks, (v-1)/v of the layers' gradients.
+  last tick, the first input after its own backward. Its reduction (a callback: ZeRO decides how)
+  is issued there, so on GPUs the remaining ticks can overlap it: with v chunks, (v-1)/v of the layers' gradients.
   Without a reduction to overlap (dp = 1, or ZeRO-2/3 reducing inside the backward) nothing is cut:
   each cut copies the accumulator (a scan carry changing shape), which only the overlap pays for.
   Without interleaving the layers can only be reduced after the last tick: in lockstep every
@@ -335,9 +335,9 @@ class Pipeline:
 
     # --------------------------------------------------------------- gradient reductions, early
     def _final_at(self) -> dict[int, list[tuple]]:
-        """{tick: the gradient parts that are final after it}: ("head",), ("layers", chunk). (The first
-        input's, ("first",), is final after its own backward, which follows the ticks.) Without a dp reduction every part is taken after the last tick, the layers whole as ("layers",
-        None): cutting the accumulator chunk by chunk copies it (a scan carry that changes shape is a
+        """{tick: the gradient parts that are final after it}: ("head",), ("layers", chunk); the first
+        input's, ("first",), is final after its own backward, which follows the ticks. Without a dp
+        reduction every part is taken after the last tick, the layers whole as ("layers", None): cutting the accumulator chunk by chunk copies it (a scan carry that changes shape is a
         new buffer), which only an overlapped reduction pays for (on the GPU compiler, vla70b's v = 10
         at dp = 1 held ~3 more fp32 copies of the stage's gradients: docs/planner.md)."""
         final, at = self.table.gradients_final(), {}
@@ -450,8 +450,8 @@ class Pipeline:
 
         loss, (grads, d_extra) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, extra)
         reduced = {}
-        for part, g in grads.items():  # one after another, after the whole backward (XLA:CPU)
-            reduced[part] = self.reduce_dp(part, after(g, list(reduced.values()) or (grads, d_extra)))
+        for part, g in grads.items():  # one after another (XLA:CPU)
+            reduced[part] = self.reduce_dp(part, after(g, list(reduced.values())))
         return loss, reduced, d_extra
 
 
