@@ -260,7 +260,6 @@ def _agreed_unreadable(here: bool) -> bool:
     """True on every process when any process found the checkpoint unreadable."""
     if jax.process_count() == 1:
         return here
-    meet("agreeing on a checkpoint's readability")  # the run's first collective: no process may be 30 s late
     return bool(np.any(multihost_utils.process_allgather(np.array([here], np.int32))))
 
 
