@@ -27,7 +27,7 @@ from jaxpar.files import write_atomic
 from jaxpar.layers import order
 from jaxpar.models import llama, vit
 from jaxpar.models.flops import model_flops_per_step
-from jaxpar.parallel.pipeline import activation_collectives
+from jaxpar.parallel.pipeline import SLOT_SCOPES, activation_collectives, measured_slot_flops
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
 from jaxpar.parallel.step import VISION_KEYS, StepBuilder
 from jaxpar.sharding import tree_specs, unused_mesh_axes
@@ -124,7 +124,9 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
     per_device["peak"] = per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"]
     model_flops = model_flops_per_step(config, builder.seq_len)
     text = compiled.as_text()
-    executed = hlo_flops.executed_flops(text)
+    executed = hlo_flops.executed_flops(text, tuple(SLOT_SCOPES.values()))
+    table = pipeline_table(config)
+    slot_flops = None if table is None else measured_slot_flops(executed["by_scope"], table)
     report = {
         "devices": mesh.size,
         "platform": mesh.devices.flat[0].platform,
@@ -141,7 +143,8 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
         "model_flops_per_device": model_flops / mesh.size,
         "executed_flops_per_device": executed["total"],
         "executed_flops": executed,
-        "bubble_fraction": bubble_fraction(config),
+        "bubble_fraction": bubble_fraction(config, slot_flops),
+        "slot_flops": slot_flops,
         "pipeline_collectives": _pipeline_collectives(config),
         "compile_s": compile_s,
         "notes": [
@@ -155,7 +158,8 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
             "executed_flops_per_device: dot and convolution FLOPs of the compiled program on one device, "
             "plus cuDNN attention's matmuls (forward 4 b h s s d, backward 2.5x, causal half; jaxpar.compiler.hlo_flops.fmha_flops), "
             "loops x trip count, a conditional's costliest branch (jaxpar.compiler.hlo_flops.executed_flops)",
-            "bubble_fraction: idle share of the pipeline schedule table's executed slots (0 without pp)",
+            "bubble_fraction: idle share of the pipeline schedule table's executed slots (0 without pp), each "
+            "slot weighted by its kind's FLOPs in this program (slot_flops: one F, B or zb W chunk slot)",
             "pipeline_collectives: the activation-sized pp collectives of one step counted from the schedule table "
             "as the pipeline issues them and the planner prices them (jaxpar.parallel.pipeline.activation_collectives); "
             "the compiled program's are in `collectives` (tests/test_pipeline.py checks the two agree)",

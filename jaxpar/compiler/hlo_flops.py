@@ -112,14 +112,23 @@ def _instr_flops(ins: dict, instrs: dict[str, dict]) -> tuple[str, float | None]
     return None
 
 
-def _comp_flops(comps, name: str, memo: dict, depth: int = 0) -> dict:
-    """{"dot", "convolution", "attention", "unknown_trip", "uncounted"} of one execution of computation `name`.
+def _scope(ins: dict, scopes: tuple[str, ...]) -> str | None:
+    """The first of `scopes` (jax.named_scope names) in the instruction's op_name metadata, if any."""
+    op_name = re.search(r'op_name="([^"]*)"', ins.get("attrs", ""))
+    path = op_name.group(1).split("/") if op_name else []
+    return next((s for s in scopes if s in path), None)
+
+
+def _comp_flops(comps, name: str, memo: dict, depth: int = 0, scopes: tuple[str, ...] = ()) -> dict:
+    """{"dot", "convolution", "attention", "unknown_trip", "uncounted", "scopes"} of one execution of
+    computation `name` ("scopes": FLOPs by the named scope their instruction was traced in).
 
     Called computations are added, while bodies multiplied by their trip count (nested loops multiply
     through), and a conditional counts its most expensive branch (see executed_flops)."""
     if name in memo:
         return memo[name]
-    out = {"dot": 0.0, "convolution": 0.0, "attention": 0.0, "unknown_trip": False, "uncounted": set()}
+    out = {"dot": 0.0, "convolution": 0.0, "attention": 0.0, "unknown_trip": False, "uncounted": set(),
+           "scopes": dict.fromkeys(scopes, 0.0)}
     if depth > 64:  # malformed (recursive) call graph
         return out
     instrs = {i["name"]: i for i in comps.get(name, [])}
@@ -131,13 +140,16 @@ def _comp_flops(comps, name: str, memo: dict, depth: int = 0) -> dict:
                 out["uncounted"].add(kind if kind not in ("dot", "convolution") else f"{kind} {ins['name']}")
             else:
                 out[kind] += flops
+                scope = _scope(ins, scopes)
+                if scope is not None:
+                    out["scopes"][scope] += flops
             continue
         if ins["op"] == "while":
             body, n = _while_parts(comps, ins, instrs)
-            parts = [(_comp_flops(comps, body, memo, depth + 1), 1 if n is None else n)] if body else []
+            parts = [(_comp_flops(comps, body, memo, depth + 1, scopes), 1 if n is None else n)] if body else []
             out["unknown_trip"] |= n is None
         else:
-            called = [_comp_flops(comps, c, memo, depth + 1) for c in _called(ins)]
+            called = [_comp_flops(comps, c, memo, depth + 1, scopes) for c in _called(ins)]
             if ins["op"] == "conditional" and called:
                 called = [max(called, key=lambda c: c["dot"] + c["convolution"] + c["attention"])]
             parts = [(c, 1) for c in called]
@@ -147,11 +159,13 @@ def _comp_flops(comps, name: str, memo: dict, depth: int = 0) -> dict:
             out["attention"] += times * sub["attention"]
             out["unknown_trip"] |= sub["unknown_trip"]
             out["uncounted"] |= sub["uncounted"]
+            for scope, flops in sub["scopes"].items():
+                out["scopes"][scope] += times * flops
     memo[name] = out
     return out
 
 
-def executed_flops(hlo_text: str) -> dict:
+def executed_flops(hlo_text: str, scopes: tuple[str, ...] = ()) -> dict:
     """Matmul FLOPs one device executes in one call of the program (an SPMD program's shapes are one
     device's shards): every `dot`, `convolution`, library GEMM custom-call and cuDNN fused-attention
     call (its matmuls, fmha_flops: a GPU program's core attention), inside fusions, calls,
@@ -165,12 +179,13 @@ def executed_flops(hlo_text: str) -> dict:
 
     Returns {"total", "dot", "convolution", "attention" (cuDNN fused attention), "trip_count_unknown" (a
     loop counted once), "uncounted" (custom-calls that look like matmuls but cannot be read; unreadable
-    dots)}."""
+    dots), "by_scope" (the FLOPs of instructions traced in each of `scopes`, jax.named_scope names: the
+    pipeline's slots)}."""
     comps, entry = parse_module(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in HLO text")
-    got = _comp_flops(comps, entry, {})
-    return {"total": got["dot"] + got["convolution"] + got["attention"], "dot": got["dot"],
+    got = _comp_flops(comps, entry, {}, scopes=tuple(scopes))
+    return {"total": got["dot"] + got["convolution"] + got["attention"], "dot": got["dot"], "by_scope": got["scopes"],
             "convolution": got["convolution"], "attention": got["attention"],
             "trip_count_unknown": got["unknown_trip"], "uncounted": sorted(got["uncounted"])}
 

@@ -92,16 +92,16 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     """
     impl = kernel(implementation)
     x_BxSxD, wk_DxKxH, wv_DxKxH = coll.kv_weights(x_BxSxD, p["wk"], p["wv"])
-    q_BxSxNxH = checkpoint_name(jnp.einsum("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
-    k_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, wk_DxKxH), "key_proj")
-    v_BxSxKxH = checkpoint_name(jnp.einsum("bsd,dkh->bskh", x_BxSxD, wv_DxKxH), "value_proj")
+    q_BxSxNxH = checkpoint_name(coll.linear("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
+    k_BxSxKxH = checkpoint_name(coll.linear("bsd,dkh->bskh", x_BxSxD, wk_DxKxH), "key_proj")
+    v_BxSxKxH = checkpoint_name(coll.linear("bsd,dkh->bskh", x_BxSxD, wv_DxKxH), "value_proj")
     q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta, rope_scaling), rope(k_BxSxKxH, rope_theta, rope_scaling)
     if prefix_len > 0:
         mask = prefix_lm_mask(x_BxSxD.shape[1], prefix_len)
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, mask=mask)
     else:
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, is_causal=True)
-    out_BxSxD = jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH, p["wo"])
+    out_BxSxD = coll.linear("bsnh,nhd->bsd", o_BxSxNxH, p["wo"])
     return checkpoint_name(coll.row_parallel_sum(out_BxSxD), "attention_proj")
 
 

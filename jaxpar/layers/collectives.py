@@ -51,6 +51,16 @@ class Collectives:
     # Megatron sequence parallelism: outside the tensor-parallel regions the activations [B, S, D]
     # are split over these axes along S (the residual stream, norms and the layer boundaries).
     sequence_axis: str | tuple[str, ...] | None = None
+    # zb: the pipeline's split of each layer's backward into input gradients (B) and weight gradients
+    # (W), jaxpar.parallel.split_backward.SplitBackward; `linear` and `scan_layers` hand over to it
+    weight_grads: Any = None
+
+    def linear(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """A weight matmul, einsum(equation, x, w). The model calls it for every linear so that a zb
+        pipeline can compute its input gradient and its weight gradient at different times."""
+        if self.weight_grads is not None:
+            return self.weight_grads.linear(equation, x, w)
+        return jnp.einsum(equation, x, w)
 
     def tp_sum(self, x: jax.Array) -> jax.Array:
         """All-reduce over tp: a vocab-parallel partial (or, without sequence parallelism, a
@@ -124,7 +134,8 @@ class Collectives:
         shared = tuple(a for a in _as_tuple(self.tp_axis) if a not in varying_of(jax.typeof(wk_DxKxH)))
         if not shared:
             return x_BxSxD, wk_DxKxH, wv_DxKxH
-        x_BxSxD, (wk_DxKxH, wv_DxKxH) = backward_ordered(x_BxSxD, (wk_DxKxH, wv_DxKxH))
+        if not (self.weight_grads is not None and self.weight_grads.mode == "W"):  # W: no input gradient
+            x_BxSxD, (wk_DxKxH, wv_DxKxH) = backward_ordered(x_BxSxD, (wk_DxKxH, wv_DxKxH))
         return x_BxSxD, *(jax.lax.pcast(w, shared, to="varying") for w in (wk_DxKxH, wv_DxKxH))
 
     def tp_max(self, x: jax.Array) -> jax.Array:
@@ -186,7 +197,12 @@ class Collectives:
         """`x` through `layer_fn(x, weights)` for each layer of the stacked (leading "layers" dim)
         weights, each layer's weights gathered first (`gather_weights`) and `remat_policy` (a
         jax.checkpoint policy) around each layer if given. With ZeRO-3 prefetch, the next layer's
-        gather runs ahead of each layer's compute (jaxpar.parallel.zero.prefetching_layer_scan)."""
+        gather runs ahead of each layer's compute (jaxpar.parallel.zero.prefetching_layer_scan). In a zb
+        pipeline's split traces the scan is the split's (jaxpar.parallel.split_backward)."""
+        if self.weight_grads is not None and self.weight_grads.deferring:
+            if self.taps_weights:
+                raise ValueError("zb's split backward runs without per-use ZeRO collectives (a pipeline has none)")
+            return self.weight_grads.scan_layers(layer_fn, x, stacked, remat_policy)
         if self.zero3_axis and self.zero3_prefetch:
             return self.zero_hooks.prefetching_layer_scan(layer_fn, x, stacked, layer_axes, self.zero3_axis,
                                                self.zero_logical_axis, self.grad_reduce_dtype)

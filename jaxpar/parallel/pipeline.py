@@ -55,10 +55,13 @@ import numpy as np
 from jaxpar.layers.collectives import varying_of
 from jaxpar.layers.order import (after, after_on_every_backend, backward_ordered, chain, cotangent_summed,
                                  ordered_both_ways)
-from jaxpar.parallel.residuals import InputStash, ResidualStash
+from jaxpar.parallel.residuals import InputStash, ResidualStash, zeros_typed
+from jaxpar.parallel.split_backward import SplitBackward, SplitStash
 from jaxpar.parallel.schedule import IDLE, Schedule
 
 PP = "pp"
+# The named scopes of the chunk slots: the compiled program's FLOPs by slot kind (measured_slot_flops)
+SLOT_SCOPES = {"F": "pipeline_F", "B": "pipeline_B", "W": "pipeline_W"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +85,6 @@ def varies_over(x, axis: str) -> bool:
     return axis in varying_of(jax.typeof(x))
 
 
-def zeros_typed(aval):
-    """Zeros of `aval`'s shape and dtype, typed as varying over the same mesh axes, in the same memory
-    (residuals that remat.policy=offload keeps in host memory are stashed there)."""
-    zeros, axes = jnp.zeros(aval.shape, aval.dtype), tuple(sorted(varying_of(aval)))
-    zeros = jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
-    space = getattr(aval, "memory_space", None)
-    return jax.device_put(zeros, space) if space is not None and space != jax.typeof(zeros).memory_space else zeros
-
-
 def _pcast(tree, axes):
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
 
@@ -106,13 +100,11 @@ class Pipeline:
 
     def __init__(self, schedule: Schedule, pieces: StagePieces, varying_axes: tuple[str, ...],
                  stage_recompute: bool = False, activation_axes: tuple[str, ...] = (),
-                 reduce_dp: Callable | None = None, input_grad_collective: bool = False):
+                 reduce_dp: Callable | None = None, split: SplitBackward | None = None):
         """reduce_dp(part, grads) -> grads: the gradient reduction over dp of "first", "head" or one
         chunk of "layers" (ZeRO's business, jaxpar.parallel.zero); the pipeline only decides when,
         each as soon as the schedule table says the part's gradient is final. None: no reduction.
-        input_grad_collective: a chunk's input gradient ends in a collective (tp > 1), which XLA:CPU
-        runs in a zb W slot even though W does not use it (see _weight_slot)."""
-        self.input_grad_collective = input_grad_collective
+        split: zb's split backward, the same object the body's collectives hold (`weight_grads`)."""
         self.table, self.pieces, self.varying = schedule, pieces, varying_axes
         self.reduce_dp = reduce_dp or (lambda part, grads: grads)
         self.early = reduce_dp is not None  # parts reduced over dp as they finish; else all after the last tick
@@ -124,6 +116,14 @@ class Pipeline:
         self.split_backward = schedule.kind == "zb"  # B computes input gradients only, W the weights'
         if self.split_backward and stage_recompute:
             raise ValueError("pipeline.schedule=zb keeps residuals for its W slots; set pipeline.stage_recompute=false")
+        if self.split_backward:
+            if split is None:
+                raise ValueError("pipeline.schedule=zb needs the split backward its body's collectives hold")
+            self.stash_kind = lambda body, params, x: SplitStash(split, body, params, x)  # noqa: E731
+            w_ticks = np.concatenate([np.arange(ph.first, ph.first + ph.count) for ph in schedule.phases
+                                      if "W" in ph.kinds])
+            if (schedule.weight[w_ticks] == IDLE).any():  # _weight_slot masks nothing
+                raise AssertionError("a zb tick runs W on some stages only")
         ring = [(self.p - 1, 0)] if self.v > 1 else []  # chunk c on the last device feeds chunk c+1 on the first
         self.send_next = [(s, s + 1) for s in range(self.p - 1)] + ring
         self.send_prev = [(s + 1, s) for s in range(self.p - 1)] + [(b, a) for a, b in ring]
@@ -136,9 +136,12 @@ class Pipeline:
         size = jax.tree.leaves(layers)[0].shape[0] // self.v
         return jax.tree.map(lambda w: jax.lax.dynamic_slice_in_dim(w, chunk * size, size, 0), layers)
 
-    def _add_chunk(self, acc, grads, chunk):
+    def _add_chunk(self, acc, grads, chunk, only=None):
         """Accumulate a chunk's gradients (fp32) into the device's layer accumulator, which holds the
-        chunks whose gradients are not final yet (0, 1, ...: the top ones leave it as they finish)."""
+        chunks whose gradients are not final yet (0, 1, ...: the top ones leave it as they finish).
+        `only`: a tree of bools like `acc`, the leaves to add (zb: B's or W's)."""
+        if only is not None:
+            return jax.tree.map(lambda a, g, keep: self._add_chunk(a, g, chunk) if keep else a, acc, grads, only)
         if self.v == 1:
             return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
 
@@ -231,13 +234,16 @@ class Pipeline:
         if after_forward is not None:  # one collective order on every device (XLA:CPU)
             cot = after(cot, after_forward)
         acts = [buf[slot] for buf in carry["stash"]]
-        d_chunk, dx = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
-        if self.split_backward:  # zb: only dx now (XLA drops the weight-gradient dots); W comes later
+        if self.split_backward:  # zb: dx, the small weights' gradients and every linear's output gradient,
+            d_chunk, dx, dy = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)  # kept for W
             write = jnp.where(mb >= 0, slot, self.table.stash_slots)
-            carry = {**carry, "cot_stash": jax.lax.dynamic_update_index_in_dim(carry["cot_stash"], cot, write, 0)}
-            grads = dict(carry["grads"])
+            carry = {**carry, "dy_stash": [jax.lax.dynamic_update_index_in_dim(buf, g, write, 0)
+                                           for buf, g in zip(carry["dy_stash"], dy)]}
+            only = jax.tree.map(lambda m: not m, ctx["stash"].matrix)  # the matrix weights' come in W
         else:
-            grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk)}
+            d_chunk, dx = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
+            only = None
+        grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk, only)}
         first_mb = row["B"][0]
         index = jnp.maximum(first_mb, 0)
         starts = (first_mb >= 0) & (row["Bc"][0] == 0)  # the same on every stage; only stage 0's dx is used
@@ -246,19 +252,17 @@ class Pipeline:
         return dx, {**carry, "grads": grads, "inputs": inputs}
 
     def _weight_slot(self, ctx, carry, row, dependency):
-        """W (zb): the weight gradients of a chunk whose B ran earlier, from its residuals and the output
-        cotangent B kept. The pullback runs again and only its parameter gradients are used."""
-        stage = jax.lax.axis_index(PP)
-        mb, chunk, slot = row["W"][stage], row["Wc"][stage], jnp.maximum(row["Ws"][stage], 0)
-        cot = after(carry["cot_stash"][slot], dependency) * (mb >= 0).astype(dependency.dtype)
+        """W (zb): the matrix weights' gradients of a chunk whose B ran earlier, from the linears' inputs
+        its F kept and the output gradients its B kept: the weight-gradient matmuls and nothing else
+        (jaxpar.parallel.split_backward). zb's W ticks are busy on every stage (W(i) runs on all
+        stages at tick i + 2(p - 1)), so no slot is masked: an idle one would add a stale gradient."""
+        slot = row["Ws"][jax.lax.axis_index(PP)]
+        chunk = row["Wc"][jax.lax.axis_index(PP)]
+        dy = [after(buf[slot], dependency) for buf in carry["dy_stash"]]
         acts = [buf[slot] for buf in carry["stash"]]
-        d_chunk, dx = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
-        grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk)}
-        if self.input_grad_collective:  # XLA:CPU keeps the unused dx's tp sum (a collective) and drops its
-            # result: tied to the carry, it stays before the next tick's collectives (without a tp sum
-            # the unused dx is dropped whole, as on GPUs, where `after` is the identity)
-            return {**carry, "grads": grads, "recv_fwd": after(carry["recv_fwd"], dx)}
-        return {**carry, "grads": grads}
+        d_chunk = ctx["stash"].weight_grads(self._chunk(ctx["layers"], chunk), acts, dy, ctx["x0"])
+        layers = self._add_chunk(carry["grads"]["layers"], d_chunk, chunk, only=ctx["stash"].matrix)
+        return {**carry, "grads": {**carry["grads"], "layers": layers}}
 
     def _tick(self, ctx, kinds: str):
         act_shape, act_dtype = ctx["act"]
@@ -266,12 +270,14 @@ class Pipeline:
         def tick(carry, row):
             y = dx = None
             if "F" in kinds:
-                y, carry = self._forward_slot(ctx, carry, row)
+                with jax.named_scope(SLOT_SCOPES["F"]):
+                    y, carry = self._forward_slot(ctx, carry, row)
             dy = jnp.zeros(act_shape, act_dtype)
             if "L" in kinds:
                 dy, carry = self._loss_slot(ctx, carry, y, row)
             if "B" in kinds:
-                dx, carry = self._backward_slot(ctx, carry, row, dy, y)
+                with jax.named_scope(SLOT_SCOPES["B"]):
+                    dx, carry = self._backward_slot(ctx, carry, row, dy, y)
             # Pin one order of the two sends on every device: after this tick's compute (XLA:CPU).
             if y is not None:
                 carry = {**carry, "recv_fwd": jax.lax.ppermute(y if dx is None else after(y, dx), PP, self.send_next)}
@@ -279,7 +285,8 @@ class Pipeline:
                 carry = {**carry, "recv_bwd": jax.lax.ppermute(after(dx, carry["recv_fwd"]), PP, self.send_prev)}
             if "W" in kinds:  # last in the tick (XLA:CPU order): after the sends
                 last = carry["recv_bwd"] if dx is not None else carry["recv_fwd"] if y is not None else dy
-                carry = self._weight_slot(ctx, carry, row, last)
+                with jax.named_scope(SLOT_SCOPES["W"]):
+                    carry = self._weight_slot(ctx, carry, row, last)
             # XLA:CPU: the next tick's collectives wait for both sends, and a send whose buffer no later
             # tick reads stays live (XLA would drop the buffer but keep the collective, unordered)
             recv_fwd = after(carry["recv_fwd"], carry["recv_bwd"])
@@ -315,8 +322,9 @@ class Pipeline:
         carry = {"recv_fwd": zeros, "recv_bwd": zeros, "stash": stash_zeros, "inputs": self._first_inputs(ctx),
                  "grads": self._zeros_f32({"layers": ctx["layers"], "head": ctx["head"]}),
                  "loss": self._data_typed(jnp.zeros((), jnp.float32))}
-        if self.split_backward:
-            carry["cot_stash"] = _pcast(jnp.zeros((slots,) + ctx["act"][0], ctx["act"][1]), self.act_varying)
+        if self.split_backward:  # every linear's output gradient, from its B to its W
+            carry["dy_stash"] = [zeros_typed(a.update(shape=(slots,) + a.shape))
+                                 for a in ctx["stash"].output_grad_avals()]
         reduced = {}
         for kinds, first, count in self._segments():
             rows = jax.tree.map(jnp.asarray, self._rows(first, count))
@@ -466,6 +474,21 @@ def activation_collectives(table: Schedule) -> dict[str, int]:
     ticks_with = lambda kind: sum(ph.count for ph in table.phases if kind in ph.kinds)  # noqa: E731
     return {"sends": ticks_with("F") + ticks_with("B"), "first_input": table.microbatches,
             "head": 2 * ticks_with("L"), "first_input_grad": table.microbatches}
+
+
+def measured_slot_flops(by_scope: dict[str, float], table: Schedule) -> dict[str, float] | None:
+    """FLOPs of one executed chunk slot of each kind (F, B and for zb W) on one device, from the
+    compiled step's FLOPs by slot scope (jaxpar.compiler.hlo_flops.executed_flops(text, SLOT_SCOPES
+    values)): each tick whose phase has a kind runs one slot of it on every device, busy or masked.
+    The schedule table weighs its slots with them (Schedule.bubble_fraction). None for GPipe (its
+    backward is autodiff of the forward ticks: no slots) or when the program has no scoped FLOPs."""
+    if table.kind == "gpipe":
+        return None
+    out = {}
+    for kind in ("FBW" if table.kind == "zb" else "FB"):
+        ticks = sum(ph.count for ph in table.phases if kind in ph.kinds)
+        out[kind] = by_scope.get(SLOT_SCOPES[kind], 0.0) / ticks
+    return out if all(out.values()) else None
 
 
 # ------------------------------------------------------------------- layer order of interleaved stages

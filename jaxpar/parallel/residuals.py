@@ -23,7 +23,10 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import Var
+
+from jaxpar.layers.collectives import varying_of
 
 
 def _classify(jaxpr, n_params: int) -> list[tuple[str, int]]:
@@ -44,27 +47,40 @@ def _classify(jaxpr, n_params: int) -> list[tuple[str, int]]:
     return kinds
 
 
-def _prune(jaxpr, outvars: list, n_params: int):
-    """The jaxpr computing only `outvars` from the params (backward liveness over its equations)."""
+def prune_jaxpr(jaxpr, outvars: list, invars: list | None = None):
+    """The jaxpr computing only `outvars` (backward liveness over its equations), from `invars` (default:
+    all of its inputs). Unlike XLA's dead-code elimination this drops unused collectives too."""
     live = {v for v in outvars if isinstance(v, Var)}
     kept = []
     for eqn in reversed(jaxpr.eqns):
         if any(v in live for v in eqn.outvars):
             kept.append(eqn)
             live.update(v for v in eqn.invars if isinstance(v, Var))
-    return jaxpr.replace(invars=list(jaxpr.invars[:n_params]), outvars=list(outvars), eqns=kept[::-1])
+    inputs = list(jaxpr.invars if invars is None else invars)
+    return jaxpr.replace(invars=inputs, outvars=list(outvars), eqns=kept[::-1])
+
+
+def zeros_typed(aval):
+    """Zeros of `aval`'s shape and dtype, typed as varying over the same mesh axes, in the same memory
+    (residuals that remat.policy=offload keeps in host memory are stashed there)."""
+    zeros, axes = jnp.zeros(aval.shape, aval.dtype), tuple(sorted(varying_of(aval)))
+    zeros = jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+    space = getattr(aval, "memory_space", None)
+    return jax.device_put(zeros, space) if space is not None and space != jax.typeof(zeros).memory_space else zeros
 
 
 class ResidualStash:
     """Split `fn(params, x)`'s vjp into a forward that returns the activation residuals to keep and a
-    backward that rebuilds the pullback from them, the current params and recomputed constants."""
+    backward that rebuilds the pullback from them, the current params and recomputed constants.
+    With `has_aux`, fn returns (y, aux) and the forward returns ((y, aux), residuals), aux not
+    differentiated (zb's linear inputs, jaxpar.parallel.split_backward)."""
 
-    def __init__(self, fn: Callable, params, x):
-        self.fn = fn
+    def __init__(self, fn: Callable, params, x, has_aux: bool = False):
+        self.fn, self.has_aux = fn, has_aux
         captured = {}
 
         def residuals(p, x_in):
-            _, pullback = jax.vjp(fn, p, x_in)
+            pullback = jax.vjp(fn, p, x_in, has_aux=has_aux)[1]
             leaves, captured["treedef"] = jax.tree.flatten(pullback)
             return leaves
 
@@ -73,14 +89,14 @@ class ResidualStash:
         n_params = len(jax.tree.leaves(params))
         self.kinds = _classify(closed.jaxpr, n_params)
         const_vars = [v for v, (kind, _) in zip(closed.jaxpr.outvars, self.kinds) if kind == "const"]
-        self._const_jaxpr, self._consts = _prune(closed.jaxpr, const_vars, n_params), closed.consts
+        self._const_jaxpr, self._consts = prune_jaxpr(closed.jaxpr, const_vars, closed.jaxpr.invars[:n_params]), closed.consts
         self.act_avals = [aval for aval, (kind, _) in zip(closed.out_avals, self.kinds) if kind == "act"]
 
     def forward(self, params, x):
         """(fn(params, x), the activation residuals to stash)."""
-        y, pullback = jax.vjp(self.fn, params, x)
+        y, pullback, *aux = jax.vjp(self.fn, params, x, has_aux=self.has_aux)
         leaves = jax.tree.leaves(pullback)
-        return y, [leaf for leaf, (kind, _) in zip(leaves, self.kinds) if kind == "act"]
+        return (y, *aux) if self.has_aux else y, [leaf for leaf, (kind, _) in zip(leaves, self.kinds) if kind == "act"]
 
     def backward(self, params, acts: list, cotangent):
         """(d params, d x) of the microbatch whose activation residuals are `acts`."""

@@ -128,9 +128,13 @@ class Schedule:
             busy += costs[slot.kind] * sum(mb != IDLE for mb in slot.microbatch_per_stage)
         return 1.0 - busy / executed
 
-    def bubble_fraction(self) -> float:
-        """Idle share of executed time, weighted by `costs` (L is not counted)."""
-        return self._idle(self.costs)
+    def bubble_fraction(self, costs: dict | None = None) -> float:
+        """Idle share of executed time, each slot weighted by its kind's cost (L is not counted):
+        `costs` {kind: FLOPs or seconds of one slot} as measured (the dry run: the compiled program's
+        FLOPs by slot, jaxpar.parallel.pipeline.measured_slot_flops) or modelled (the planner), else
+        the nominal `Schedule.costs`. 1F1B's and GPipe's bubble is (p-1)/(vm+p-1) whatever F : B
+        costs; zb's depends on F : B : W."""
+        return self._idle(costs or self.costs)
 
     def idle_fraction(self) -> float:
         """Unweighted idle share of executed F/B/W cells (the old figure; prefer bubble_fraction)."""
@@ -260,8 +264,8 @@ def pipeline_table(config) -> Schedule | None:
     return build(pp.schedule, config.mesh.pp, pp.microbatches, virtual=pp.virtual_stages)
 
 
-def bubble_fraction(config) -> float:
-    """Idle share of the executed pipeline slots from the schedule table (cost-weighted: F=1, B=2;
-    zb F=B=W=1), 0 without a pipeline."""
+def bubble_fraction(config, costs: dict | None = None) -> float:
+    """Idle share of the executed pipeline slots from the schedule table, each slot weighted by `costs`
+    (default the nominal F=1, B=2; zb F=B=W=1), 0 without a pipeline."""
     table = pipeline_table(config)
-    return 0.0 if table is None else float(table.bubble_fraction())
+    return 0.0 if table is None else float(table.bubble_fraction(costs))

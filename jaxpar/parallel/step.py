@@ -43,6 +43,7 @@ from jaxpar.models import llama, vit, vla
 from jaxpar.parallel.optim import lr_schedule, make_optimizer
 from jaxpar.parallel import remat, schedule as pipeline_schedule, zero
 from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
+from jaxpar.parallel.split_backward import SplitBackward
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
 from jaxpar.parallel.zero import StateSpecs, ZeroPlan, reduce_gradients
@@ -344,11 +345,13 @@ class StepBuilder:
                                         pipe.virtual_stages)
         varying = ("pp",) + ((DP,) if self.dp_axis else ())
         part_axes = self.pipeline_parts(self.axes)
+        split = SplitBackward() if table.kind == "zb" else None  # zb: B and W split in the layers' linears
+        coll = dataclasses.replace(coll, weight_grads=split)
         return Pipeline(table, self.stage_pieces(coll, policy, token_count), varying, pipe.stage_recompute,
                         activation_axes=coll.sequence_axes,  # sequence-parallel activations vary over tp too
                         reduce_dp=(lambda part, grads: self._reduce_grads_over_dp(grads, part_axes[part]))
                         if self.zero.reduces_after_backward else None,  # None: nothing to reduce early
-                        input_grad_collective=coll.tp_axis is not None)
+                        split=split)
 
     @staticmethod
     def pipeline_parts(tree) -> dict:

@@ -77,8 +77,9 @@ def llm_flops(config: Config) -> dict[str, float]:
     gradient only, 1) + the remat recompute + with stage_recompute the stage forward again (its output
     is unused: when a chunk is one layer, XLA drops that layer's down projection, or with full remat,
     which saves nothing, its whole forward; a longer layer scan runs one body for every layer and
-    keeps it); zb: B = the backward less its weight-gradient matmuls, W = the whole backward again less
-    the chunk input's gradient (jaxpar's W re-runs the pullback). A chunk slot is 1/v of the stage."""
+    keeps it); zb: B = the backward less its weight-gradient matmuls, W = those matmuls alone (one per
+    weight matmul of the forward, from the inputs F kept: jaxpar.parallel.split_backward). A chunk
+    slot is 1/v of the stage."""
     mesh, m = config.mesh, config.model
     s, b = seq_len(config), microbatch(config)
     pipelined, policy = mesh.pp > 1, config.remat.policy
@@ -91,17 +92,16 @@ def llm_flops(config: Config) -> dict[str, float]:
         again += layers * fwd["total"] - v * dead
     zb = pipelined and config.pipeline.schedule == "zb"
     # zb: B is the backward less the weight-gradient matmuls (one per weight matmul of the forward; the
-    # attention core has no weights, so its whole backward is in B); W runs the chunk's pullback again
-    # and keeps only the weight gradients: a whole backward but for the chunk input's Q/K/V input
-    # gradients (jaxpar.parallel.pipeline: JAX cannot hand out each matmul's output cotangent)
+    # attention core has no weights, so its whole backward is in B, and so is the remat recompute);
+    # W is those weight-gradient matmuls and nothing else
     weights = fwd["total"] - fwd["scores"] - fwd["values"]
     backward = 2 * layers * fwd["total"] + again
     cost = {"F": layers * fwd["total"], "B": backward - layers * weights if zb else backward,
-            "W": backward - v * fwd["qkv"] if zb else 0.0}
+            "W": layers * weights if zb else 0.0}
     slots = slot_counts(config)
     executed = sum(slots[k] * cost[k] for k in "FBW") / v * (1 if pipelined else passes)
     head = passes * 3 * 2.0 * b * s * m.d_model * m.vocab_size / (mesh.tp * mesh.pp)
-    return {"layers": executed, "layers_busy": passes * sum(cost.values()), "head": head}
+    return {"layers": executed, "layers_busy": passes * sum(cost.values()), "head": head, "slot_costs": cost}
 
 
 def vision_flops(config: Config) -> float:
@@ -131,7 +131,7 @@ def compute_flops(config: Config) -> dict:
             "executed_flops_per_device": llm["layers"] + llm["head"] + vision,
             "executed_parts": {"layers": llm["layers"], "head": llm["head"], "vision": vision},
             "layers_busy_flops_per_device": llm["layers_busy"],
-            "bubble_fraction": bubble_fraction(config)}
+            "bubble_fraction": bubble_fraction(config, {k: c for k, c in llm["slot_costs"].items() if c})}
 
 
 def link_bandwidth(group_stride: int, group_size: int, gpus_per_node: int, hw: Hardware) -> tuple[float, str]:
