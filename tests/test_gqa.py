@@ -46,14 +46,23 @@ def test_kv_heads_held_whole_on_an_unsplit_tp_axis(monkeypatch, n_kv, layout, st
     check_gqa_layout(n_kv, layout, stage, False, whole=True)
 
 
-def check_gqa_layout(n_kv, layout, stage, sp, whole=False):
+@pytest.mark.parametrize("n_kv,layout,stage,sp", [(1, (1, 2, 4), 0, True),
+                                                  pytest.param(2, (2, 2, 2), 1, False, marks=pytest.mark.slow)])
+def test_zero_bubble_splits_the_kv_projections_too(n_kv, layout, stage, sp):
+    """zb's W computes the shared KV head's weight gradient (through the pick of this rank's head and
+    its sum over the sharers) from the kept input and output gradient; with sequence parallelism W
+    must not keep the input's all-gather (jaxpar.parallel.split_backward)."""
+    check_gqa_layout(n_kv, layout, stage, sp, schedule="zb")
+
+
+def check_gqa_layout(n_kv, layout, stage, sp, whole=False, schedule="1f1b"):
     dp, pp, tp = layout
     model = dataclasses.replace(TINY_MODEL, n_kv_heads=n_kv, n_layers=4)
     ref_grads, ref_losses, _ = reference(model=model, global_batch_size=BATCH)
     config = make_config(dp=dp, pp=pp, tp=tp, stage=stage, model=model, global_batch_size=BATCH)
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence_parallel=sp))
     if pp > 1:
-        config = dataclasses.replace(config, pipeline=PipelineConfig(microbatches=4))
+        config = dataclasses.replace(config, pipeline=PipelineConfig(microbatches=4, schedule=schedule))
     grads, losses, state = run(config)
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_grads_close(grads, ref_grads)

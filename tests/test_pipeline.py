@@ -4,6 +4,7 @@ The schedule tables themselves are tested in tests/test_schedule.py."""
 
 import collections
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -186,6 +187,19 @@ def test_dp_reductions_are_issued_before_the_ticks_after_their_last_use(virtual,
 
 # ----------------------------------------------------------------------------- pp collectives: executed, counted
 
+def collectives_in_scope(text: str, scope: str) -> collections.Counter:
+    """Collective ops of a compiled program traced inside jax.named_scope `scope` (the pipeline's slots)."""
+    comps, _ = hlo_collectives.parse_module(text)
+    found = collections.Counter()
+    for instrs in comps.values():
+        for ins in instrs:
+            op = ins["op"].removesuffix("-start")
+            op_name = re.search(r'op_name="([^"]*)"', ins.get("attrs", ""))
+            if op in hlo_collectives.OPS and op_name and scope in op_name.group(1).split("/"):
+                found[op] += 1
+    return found
+
+
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("1f1b", 2), ("zb", 1), ("gpipe", 1)])
 def test_the_step_executes_the_pp_collectives_the_planner_counts(schedule, virtual):
     """(1, 2, 2), m = 4: in the compiled step (loops x trip counts) the activation-sized collectives
@@ -204,6 +218,9 @@ def test_the_step_executes_the_pp_collectives_the_planner_counts(schedule, virtu
         if e["bytes_each"] == activation and "pp" in e["axis"].split("+"):
             got[(e["op"], e["axis"])] += e["count"]
     counted = activation_collectives(pipeline_table(config))
+    if schedule == "zb":  # W is weight-gradient matmuls alone: no input gradient, so no tp all-reduce of it
+        assert collectives_in_scope(text, "pipeline_W") == collections.Counter()
+        assert collectives_in_scope(text, "pipeline_B")["all-reduce"] > 0  # B's input gradient (scopes read)
     assert counted["first_input"] == counted["first_input_grad"] == 4
     assert got == {("collective-permute", "pp"): counted["sends"], ("all-reduce", "pp+tp"): counted["first_input"],
                    ("all-reduce", "pp"): counted["head"] + counted["first_input_grad"]}

@@ -30,6 +30,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Var
 
 from jaxpar.parallel.residuals import ResidualStash, prune_jaxpr, zeros_typed
 
@@ -143,7 +144,7 @@ class SplitBackward:
 
         closed = jax.make_jaxpr(weights_used)(first, x)
         pruned = prune_jaxpr(closed.jaxpr, closed.jaxpr.outvars)
-        used = set(pruned.outvars) | {v for eqn in pruned.eqns for v in eqn.invars}
+        used = {v for v in [*pruned.outvars, *(v for eqn in pruned.eqns for v in eqn.invars)] if isinstance(v, Var)}
         leaves, treedef = jax.tree.flatten(first)
         matrix = [var in used for var in closed.jaxpr.invars[:len(leaves)]]
         n_layers = jax.tree.leaves(stacked)[0].shape[0]

@@ -19,7 +19,7 @@ residuals (issue 14):
 Compute runs at `matmul_efficiency` x peak. Communication is ring collectives at link bandwidth, not
 overlapped with compute (jaxpar issues them in line; XLA may overlap some, so this errs slow). The
 bubble's seconds are the idle slots' share of the layers' executed FLOPs (= the table's
-bubble_fraction for 1f1b and gpipe, and for zb when F, B and W cost the same), applied to the layer
+bubble_fraction weighted by these slot costs), applied to the layer
 compute and its tp all-reduces: masked slots compute and communicate like busy ones.
 Placement follows jaxpar.parallel.mesh: tp fastest-varying (inside a node when tp <= GPUs per node), pp next,
 dp outermost.

@@ -51,21 +51,24 @@ HEAD_BYTES = 16
 WEIGHT_SLICE_BYTES = 2  # x c per parameter: a layer pass copies its weights out of the stacked array
 ACCUMULATE_BYTES = 10  # per parameter of a chunk, per backward slot: read fp32 sum and bf16 gradient, write the sum
 KERNELS_PER_LAYER_PASS = 40
+KERNELS_PER_WEIGHT_PASS = 10  # zb's W per layer: its weight-gradient matmuls and the accumulation
 
 
 def layer_passes(config: Config, slots: dict[str, int]) -> dict[str, float]:
-    """Layer forwards, backwards and recomputed forwards one device executes per step, from the
-    executed chunk slots of each kind (jaxpar.planner.cost.slot_counts; a chunk slot is 1/v of the
-    stage's layers)."""
+    """Layer forwards, backwards (zb: input-gradient B), zb weight-gradient passes (W: its matmuls
+    from kept inputs, no elementwise backward) and recomputed forwards one device executes per
+    step, from the executed chunk slots of each kind (jaxpar.planner.cost.slot_counts; a chunk
+    slot is 1/v of the stage's layers)."""
     mesh = config.mesh
     layers = config.model.n_layers // mesh.pp
+    weight = 0.0
     if mesh.pp > 1:
         per_slot = layers / config.pipeline.virtual_stages
-        forward, backward = slots["F"] * per_slot, (slots["B"] + slots["W"]) * per_slot
+        forward, backward, weight = slots["F"] * per_slot, slots["B"] * per_slot, slots["W"] * per_slot
     else:
         forward = backward = float(layers * config.train.grad_accum)
     again = backward if config.remat.policy == "full" else 0.0
-    return {"forward": forward, "backward": backward, "recomputed": again}
+    return {"forward": forward, "backward": backward, "recomputed": again, "weight": weight}
 
 
 def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[str, float]:
@@ -89,15 +92,18 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
     sequences = config.train.global_batch_size // mesh.dp
     head = HEAD_BYTES * sequences * s * m.vocab_size / (mesh.tp * mesh.pp)
     per_layer = counts["llm_layers"] / (m.n_layers // mesh.pp)
-    weights = c * per_layer * (WEIGHT_SLICE_BYTES * sum(passes.values()) + passes["backward"])
+    # the pass that writes the weight gradients: B, or zb's W (its B writes only the norms')
+    grad_passes = passes["weight"] or passes["backward"]
+    weights = c * per_layer * (WEIGHT_SLICE_BYTES * sum(passes.values()) + grad_passes)
     zero3 = 0.0
     if config.zero.stage >= 3 and mesh.dp > 1:
         zero3 = per_layer * (2 * c * sum(passes.values()) + 8 * passes["backward"])
-    # each B (and W) slot adds its chunk's gradients into the fp32 accumulators: per layer of it
-    accumulate = ACCUMULATE_BYTES * per_layer * passes["backward"] if mesh.pp > 1 else 0.0
+    # each B (zb: W) slot adds its chunk's gradients into the fp32 accumulators: per layer of it
+    accumulate = ACCUMULATE_BYTES * per_layer * grad_passes if mesh.pp > 1 else 0.0
     rate = hw.hbm_tbps * 1e12
     parts = {"layers": layers / rate, "attention": attention / rate, "optimizer": optimizer / rate,
              "head": head / rate, "zero3": zero3 / rate, "accumulate": accumulate / rate,
              "weights": weights / rate}
-    launches = KERNELS_PER_LAYER_PASS * sum(passes.values()) * KERNEL_LAUNCH_S
+    layer_passes_run = passes["forward"] + passes["backward"] + passes["recomputed"]
+    launches = (KERNELS_PER_LAYER_PASS * layer_passes_run + KERNELS_PER_WEIGHT_PASS * passes["weight"]) * KERNEL_LAUNCH_S
     return {"memory_s": sum(parts.values()), "memory_parts": parts, "launch_s": launches}
