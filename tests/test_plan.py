@@ -37,10 +37,10 @@ def _fast_compile(self, compiler_options=None, **kwargs):
     return _compile(self, {**FAST_COMPILE, **(compiler_options or {})}, **kwargs)
 
 
-def tiny(dp=1, pp=1, tp=1, stage=0, remat="none", m=1, precision="fp32", sp=False) -> Config:
+def tiny(dp=1, pp=1, tp=1, stage=0, remat="none", m=1, precision="fp32", sp=False, schedule="1f1b") -> Config:
     config = Config(mesh=MeshConfig(dp, pp, tp, sequence_parallel=sp), zero=ZeroConfig(stage), precision=precision,
                     train=TrainConfig(global_batch_size=16, seq_len=128), model=MODEL, remat=RematConfig(remat),
-                    pipeline=PipelineConfig("1f1b", m))
+                    pipeline=PipelineConfig(schedule, m))
     validate(config)
     return config
 
@@ -59,6 +59,7 @@ AGREEMENT = [  # attention-heavy (none), Megatron selective, ZeRO-2 with full re
     dict(pp=4, tp=2, remat="none", m=8),  # 1F1B keeping 2p - 1 = 7 microbatches of full residuals on stage 0
     dict(dp=2, tp=4, remat="selective", sp=True),  # sequence parallel: the residual stream split over tp
     dict(pp=2, tp=4, remat="full", m=4, sp=True),  # ... and the pipeline's stash and sends
+    dict(pp=4, tp=2, remat="full", m=8, schedule="zb"),  # zb keeps its linears' inputs and output gradients
 ]
 
 

@@ -198,8 +198,10 @@ class SplitStash:
         self.split, self.body = split, body
         layout = split.describe(body, params, x)
         self.probe_avals, self.input_avals = layout["probe_avals"], layout["input_avals"]
-        forward = lambda p, x_and_probes: split.forward(body, p, x_and_probes)  # noqa: E731
-        self.inner = ResidualStash(forward, params, (x, self._zero_probes()), has_aux=True)
+        # the probes go with the parameters, not the activation: zeros that, like a weight, JAX hands to
+        # the pullback as themselves (a checkpointed layer keeps its inputs), so they are never stashed
+        forward = lambda p_and_probes, x: split.forward(body, p_and_probes[0], (x, p_and_probes[1]))  # noqa: E731
+        self.inner = ResidualStash(forward, (params, self._zero_probes()), x, has_aux=True)
         self.n_residuals = len(self.inner.stash_avals())
 
     def _zero_probes(self) -> list:
@@ -207,7 +209,7 @@ class SplitStash:
 
     def forward(self, params, x):
         """(chunk output, what to stash: B's residuals, then the linears' inputs)."""
-        (y, inputs), residuals = self.inner.forward(params, (x, self._zero_probes()))
+        (y, inputs), residuals = self.inner.forward((params, self._zero_probes()), x)
         return y, list(residuals) + list(inputs)
 
     @property
@@ -217,7 +219,7 @@ class SplitStash:
 
     def backward(self, params, stashed: list, cotangent):
         """(gradients of the small weights (the matrix weights' are zero here), d x, every linear's d y)."""
-        d_params, (dx, dy) = self.inner.backward(params, stashed[:self.n_residuals], cotangent)
+        (d_params, dy), dx = self.inner.backward((params, self._zero_probes()), stashed[:self.n_residuals], cotangent)
         return d_params, dx, list(dy)
 
     def weight_grads(self, params, stashed: list, dy: list, x_unused):

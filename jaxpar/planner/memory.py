@@ -191,9 +191,25 @@ def _activations(config: Config, c: int, target: str) -> dict:
         out["saved"] += host_saved
         if config.precision == "bf16":  # the layer-input stack is held in f32: 4 - c more bytes per element
             out["cpu_f32_twins"] = (4 - c) * live_mb * layers * b * s * m.d_model / blk.seq_split
+    if pp > 1 and config.pipeline.schedule == "zb":
+        out["saved"] += _zero_bubble_kept(config, blk, b * s, c, target) * layers
     if m.kind == "vla":
         out.update(_vision_activations(config, c, target))
     return out
+
+
+def _zero_bubble_kept(config: Config, blk: Block, tokens: int, c: int, target: str) -> float:
+    """Bytes per layer zb keeps beside the residuals for its W slots (jaxpar.parallel.split_backward):
+    each linear's distinct input (the attention's and the MLP's normed inputs, the attention output,
+    the MLP's hidden) for every stash entry, and each linear's output gradient (q, k, v, out, the up
+    projections, down) for every entry but the spare. XLA:CPU reuses dead entries' bytes (the table's
+    peak in flight); a GPU program holds them all."""
+    table = pipeline_table(config)
+    entries = table.stash_slots + 1 if target == "gpu" else int(max(table.in_flight()))
+    ups = 2 if blk.gated else 1
+    inputs = 2 * blk.d + blk.q + blk.f
+    output_grads = blk.q + 2 * blk.kv + 2 * blk.d + ups * blk.f
+    return c * tokens * entries * (inputs + output_grads)
 
 
 def _pipeline_live(config: Config, activation: float, target: str = "cpu") -> tuple[float, float]:
