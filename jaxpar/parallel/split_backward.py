@@ -43,6 +43,8 @@ class SplitBackward:
         self.layout: dict | None = None  # from the shapes pass: probe avals, input avals, input index per linear
         self._layer_state: dict = {}  # the layer being traced: its probes / (inputs, dy) and what it recorded
         self._scan_out = None  # B: the stacked linear inputs; W: the objective
+        self._probes = None  # B: every linear's probe, stacked by layer
+        self._w_inputs = None  # W: (the kept linear inputs, the output gradients), stacked by layer
 
     # ----------------------------------------------------------------- called from Collectives
     def linear(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -77,6 +79,9 @@ class SplitBackward:
         return y
 
     def scan_layers(self, layer_fn: Callable, x: jax.Array, stacked, remat_policy: Callable | None) -> jax.Array:
+        """The body's layer scan in the current mode; a chunk body has exactly one."""
+        if self._scan_out is not None:
+            raise AssertionError("a zb chunk body scanned its layers twice; the split expects one layer scan")
         if self.mode == "shapes":
             self._trace_one_layer(layer_fn, x, stacked)
             return x
@@ -93,17 +98,17 @@ class SplitBackward:
     def describe(self, body: Callable, params, x) -> dict:
         """Trace `body(params, x)` once in "shapes" mode: per linear call (per layer, in call order) its
         output type (the probe's) and which distinct input it reads; the distinct inputs' types."""
-        self.mode = "shapes"
+        self.mode, self._scan_out = "shapes", None
         try:
             jax.make_jaxpr(body)(params, x)
         finally:
             self.mode = None
         return self.layout
 
-    def forward(self, body: Callable, params, x_and_probes):
-        """(body(params, x), every linear's input, stacked by layer): differentiated by B as
-        f(params, (x, probes)) with the matrix weights held constant."""
-        x, self._probes = x_and_probes
+    def forward(self, body: Callable, params, x, probes):
+        """(body(params, x), every linear's input, stacked by layer), a zero probe added to every
+        linear's output: differentiated by B with the matrix weights held constant."""
+        self._probes = probes
         # held constant here, at the chunk's top, not at each use: a constant made inside the layer
         # scan would be one of its residuals, a copy of the weights for every microbatch in flight
         params = jax.tree.map(lambda w, m: jax.lax.stop_gradient(w) if m else w, params, self.layout["matrix"])
@@ -200,7 +205,8 @@ class SplitStash:
         self.probe_avals, self.input_avals = layout["probe_avals"], layout["input_avals"]
         # the probes go with the parameters, not the activation: zeros that, like a weight, JAX hands to
         # the pullback as themselves (a checkpointed layer keeps its inputs), so they are never stashed
-        forward = lambda p_and_probes, x: split.forward(body, p_and_probes[0], (x, p_and_probes[1]))  # noqa: E731
+        forward = lambda params_and_probes, x: split.forward(body, params_and_probes[0], x,  # noqa: E731
+                                                             params_and_probes[1])
         self.inner = ResidualStash(forward, (params, self._zero_probes()), x, has_aux=True)
         self.n_residuals = len(self.inner.stash_avals())
 
