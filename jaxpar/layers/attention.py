@@ -64,6 +64,26 @@ def prefix_lm_mask(seq_len: int, prefix_len: int) -> jax.Array:
     return ((cols <= rows) | (cols < prefix_len))[None, None]
 
 
+def balanced_order(seq_len: int, ways: int) -> np.ndarray:
+    """The token positions in the order context parallelism lays the sequence out over `ways` ranks,
+    rank-major: the sequence cut into 2 ways chunks, rank i holding chunks i and 2 ways - 1 - i. Under a
+    causal mask an early chunk attends to few keys and a late one to many, so each rank gets one of
+    each and every rank does the same work (Megatron's and MaxText's load balancing)."""
+    if seq_len % (2 * ways):
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 x {ways} equal chunks")
+    chunks = np.arange(seq_len).reshape(2 * ways, seq_len // (2 * ways))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]]) for i in range(ways)])
+
+
+def positions_mask(q_positions: jax.Array, k_positions: jax.Array, prefix_len: int = 0) -> jax.Array:
+    """[1, 1, Sq, Sk] bool for queries and keys at arbitrary sequence positions: causal (a key at or before
+    the query), and with `prefix_len` the prefix sees itself whole (the prefix-LM mask). With positions
+    0..S-1 on both sides it is prefix_lm_mask; context parallelism gives each rank's queries its own
+    positions against the gathered keys'."""
+    q, k = q_positions[:, None], k_positions[None, :]
+    return ((k <= q) | (k < prefix_len))[None, None]
+
+
 def kernel(implementation: str) -> str:
     """The `implementation` argument of jax.nn.dot_product_attention for a config's attention value."""
     if implementation not in ("auto", "xla", "cudnn", ""):
