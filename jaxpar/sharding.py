@@ -28,6 +28,7 @@ RULES: dict[str, str | None] = {
 }
 ZERO_AXIS = "embed"  # the logical dim that ZeRO shards over dp
 DP = "dp"
+CP = "cp"  # context parallelism's axis (jaxpar.parallel.mesh.Layout), present when mesh.cp > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,13 @@ def llm_rules(mesh, n_kv_heads: int | None = None) -> Rules:
         table["kv_heads"] = tp if ways == tp_size else "tp" if ways > 1 else None
     if mesh.shape.get("pp", 1) > 1:
         table["vocab"] = ("pp",) + (tp if isinstance(tp, tuple) else (tp,))
-    return Rules(table)
+    return Rules(table, zero_mesh=data_axes(mesh))
+
+
+def data_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes the LLM's weights are replicated over and its gradients summed over: dp, and with
+    context parallelism cp (each cp rank holds other tokens of the same sequences). ZeRO shards over them."""
+    return (DP, CP) if CP in mesh.shape else (DP,)
 
 
 def vision_rules(vision_tp: int, mesh) -> Rules:

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.layers.attention import balanced_order, core_attention, positions_mask, prefix_lm_mask, rope
+from jaxpar.layers.attention import core_attention, positions_mask, prefix_lm_mask, rope
+from jaxpar.layers.collectives import balanced_order
 
 
 def test_balanced_order_gives_each_rank_an_early_and_a_late_chunk():

@@ -115,6 +115,7 @@ def _validate_layout(config: Config) -> None:
     _validate_pipeline(config)
     _validate_vla(config)  # before the sequence check: a VLA's sequence needs valid vision sizes
     _validate_sequence_parallel(config)
+    _validate_context_parallel(config)
     splits = ("mesh.dp x pipeline.microbatches", config.pipeline.microbatches) if mesh.pp > 1 else \
         ("mesh.dp x train.grad_accum", train.grad_accum)
     per_step = mesh.dp * splits[1]
@@ -122,9 +123,31 @@ def _validate_layout(config: Config) -> None:
              f"train.global_batch_size={train.global_batch_size} is not divisible by {splits[0]} "
              f"= {mesh.dp} x {splits[1]}; use a multiple of {per_step}")
     if config.zero.stage >= 1:
-        _require(model.d_model % mesh.dp == 0,
-                 f"zero.stage={config.zero.stage} shards states over dp on the d_model dim, but mesh.dp={mesh.dp} "
-                 f"does not divide model.d_model={model.d_model}; pick a dp that divides it or zero.stage=0")
+        ways = mesh.dp * mesh.cp
+        over = "dp" if mesh.cp == 1 else "dp x cp"
+        _require(model.d_model % ways == 0,
+                 f"zero.stage={config.zero.stage} shards states over {over} on the d_model dim, but mesh.{over.replace(' x ', ' x mesh.')}"
+                 f"={ways} does not divide model.d_model={model.d_model}; pick a layout that divides it or zero.stage=0")
+
+
+def _validate_context_parallel(config: Config) -> None:
+    """Context parallelism splits the sequence over cp in 2 cp chunks (balanced causal work). Built so
+    far: the Llama without a pipeline, K / V gathered over cp (docs/design.md, "Context parallelism")."""
+    mesh = config.mesh
+    _require(mesh.cp >= 1, f"mesh.cp={mesh.cp} must be >= 1")
+    _require(mesh.cp_strategy in ("all_gather", "ring"),
+             f"mesh.cp_strategy='{mesh.cp_strategy}' is unknown; use all_gather or ring")
+    if mesh.cp == 1:
+        return
+    _require(mesh.cp_strategy == "all_gather", "mesh.cp_strategy=ring is not built yet; use all_gather")
+    _require(mesh.pp == 1, f"mesh.cp={mesh.cp} with mesh.pp={mesh.pp}: context parallelism does not run "
+                           f"with a pipeline yet; set mesh.pp=1 or mesh.cp=1")
+    _require(config.model.kind == "llama", "mesh.cp > 1 runs the Llama only so far (not the VLA); set mesh.cp=1")
+    seq = config.train.seq_len
+    _require(seq % (2 * mesh.cp * (mesh.tp if mesh.sequence_parallel else 1)) == 0,
+             f"mesh.cp={mesh.cp} cuts train.seq_len={seq} into 2 x cp chunks"
+             f"{' each split over tp' if mesh.sequence_parallel else ''}, which do not divide it; make it a "
+             f"multiple of {2 * mesh.cp * (mesh.tp if mesh.sequence_parallel else 1)}")
 
 
 def _validate_sequence_parallel(config: Config) -> None:

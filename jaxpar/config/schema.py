@@ -29,10 +29,14 @@ class MeshConfig:
     # boundaries, pipeline sends) activations are split over tp along the sequence; each layer's two
     # tp all-reduces become reduce-scatter + all-gather pairs (same bytes, 1/tp of the activations).
     sequence_parallel: bool = False
+    # Context parallelism: the sequence split over cp for the whole layer, attention over the whole
+    # sequence by `cp_strategy` (all_gather: K / V gathered over cp). Devices = dp x pp x cp x tp.
+    cp: int = 1
+    cp_strategy: str = "all_gather"
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
 
 @dataclasses.dataclass(frozen=True)

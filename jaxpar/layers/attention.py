@@ -64,17 +64,6 @@ def prefix_lm_mask(seq_len: int, prefix_len: int) -> jax.Array:
     return ((cols <= rows) | (cols < prefix_len))[None, None]
 
 
-def balanced_order(seq_len: int, ways: int) -> np.ndarray:
-    """The token positions in the order context parallelism lays the sequence out over `ways` ranks,
-    rank-major: the sequence cut into 2 ways chunks, rank i holding chunks i and 2 ways - 1 - i. Under a
-    causal mask an early chunk attends to few keys and a late one to many, so each rank gets one of
-    each and every rank does the same work (Megatron's and MaxText's load balancing)."""
-    if seq_len % (2 * ways):
-        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 x {ways} equal chunks")
-    chunks = np.arange(seq_len).reshape(2 * ways, seq_len // (2 * ways))
-    return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]]) for i in range(ways)])
-
-
 def positions_mask(q_positions: jax.Array, k_positions: jax.Array, prefix_len: int = 0) -> jax.Array:
     """[1, 1, Sq, Sk] bool for queries and keys at arbitrary sequence positions: causal (a key at or before
     the query), and with `prefix_len` the prefix sees itself whole (the prefix-LM mask). With positions
@@ -115,8 +104,14 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     q_BxSxNxH = checkpoint_name(coll.linear("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
     k_BxSxKxH = checkpoint_name(coll.linear("bsd,dkh->bskh", x_BxSxD, wk_DxKxH), "key_proj")
     v_BxSxKxH = checkpoint_name(coll.linear("bsd,dkh->bskh", x_BxSxD, wv_DxKxH), "value_proj")
-    q_BxSxNxH, k_BxSxKxH = rope(q_BxSxNxH, rope_theta, rope_scaling), rope(k_BxSxKxH, rope_theta, rope_scaling)
-    if prefix_len > 0:
+    positions_S = coll.context_positions(x_BxSxD.shape[1])  # None: 0..S-1
+    q_BxSxNxH = rope(q_BxSxNxH, rope_theta, rope_scaling, positions_S)
+    k_BxSxKxH = rope(k_BxSxKxH, rope_theta, rope_scaling, positions_S)
+    if positions_S is not None:  # context parallelism: this rank's queries against every key
+        k_BxTxKxH, v_BxTxKxH, k_positions_T = coll.gather_context(k_BxSxKxH, v_BxSxKxH)
+        mask = positions_mask(positions_S, k_positions_T, prefix_len)
+        o_BxSxNxH = core_attention(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, impl, mask=mask)
+    elif prefix_len > 0:
         mask = prefix_lm_mask(x_BxSxD.shape[1], prefix_len)
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, mask=mask)
     else:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
@@ -28,6 +29,17 @@ def varying_of(aval) -> frozenset:
         axis_type = getattr(aval, "manual_axis_type", None)
         return frozenset(axis_type.varying if axis_type is not None else ())
     return frozenset(vma)
+
+
+def balanced_order(seq_len: int, ways: int) -> np.ndarray:
+    """The token positions in the order context parallelism lays the sequence out over `ways` ranks,
+    rank-major: the sequence cut into 2 ways chunks, rank i holding chunks i and 2 ways - 1 - i. Under a
+    causal mask an early chunk attends to few keys and a late one to many, so each rank gets one of
+    each and every rank does the same work (Megatron's and MaxText's load balancing)."""
+    if seq_len % (2 * ways):
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 x {ways} equal chunks")
+    chunks = np.arange(seq_len).reshape(2 * ways, seq_len // (2 * ways))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]]) for i in range(ways)])
 
 
 def _as_tuple(axes) -> tuple[str, ...]:
@@ -54,6 +66,25 @@ class Collectives:
     # zb: the pipeline's split of each layer's backward into input gradients (B) and weight gradients
     # (W), jaxpar.parallel.split_backward.SplitBackward; `linear` and `scan_layers` hand over to it
     weight_grads: Any = None
+    # Context parallelism: the sequence is split over this axis in balanced_order; attention gathers
+    # the keys and values over it (jaxpar.layers.attention, docs/design.md "Context parallelism")
+    context_axis: str | None = None
+
+    def context_positions(self, local_len: int) -> jax.Array | None:
+        """This rank's token positions in the whole sequence (its slice of balanced_order); None
+        without context parallelism (positions 0..S-1)."""
+        if not self.context_axis:
+            return None
+        ways = jax.lax.axis_size(self.context_axis)
+        order = jnp.asarray(balanced_order(local_len * ways, ways))
+        return jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(self.context_axis) * local_len, local_len)
+
+    def gather_context(self, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array):
+        """(keys, values, their positions) of the whole sequence: all-gathered over the context axis
+        (in balanced_order; the backward reduce-scatters their gradients)."""
+        ways = jax.lax.axis_size(self.context_axis)
+        k_all, v_all = (jax.lax.all_gather(a, self.context_axis, axis=1, tiled=True) for a in (k_BxSxKxH, v_BxSxKxH))
+        return k_all, v_all, jnp.asarray(balanced_order(k_all.shape[1], ways))
 
     def linear(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
         """A weight matmul, einsum(equation, x, w). The model calls it for every linear so that a zb

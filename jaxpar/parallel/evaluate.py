@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.models import llama, vla
 from jaxpar.parallel.step import VISION_KEYS
-from jaxpar.sharding import DP
 
 SUM_KEYS = {"llama": ("loss", "tokens", "correct"),
             "vla": ("loss", "tokens", "correct", "action_tokens", "action_correct", "action_abs_err",
@@ -55,13 +54,13 @@ class Evaluator:
                                                vla.instruction_ids(batch, self.config))
         llm = {k: v for k, v in params.items() if k not in VISION_KEYS}
         if b.dp_axis and not b.zero.gathers_weights:  # typed as in training (see StepBuilder)
-            llm = jax.lax.pcast(llm, (DP,), to="varying")
+            llm = jax.lax.pcast(llm, b.data_axes, to="varying")
         text = {k: v for k, v in batch.items() if k != "images"}
         if self.mesh.shape["pp"] > 1:  # the forward slots of the training table (its chunk order)
             split, micro, extra = b.pipeline_inputs(llm, text, image_tokens)
             zeros = {k: jnp.zeros(self._sum_shape(k), jnp.float32) for k in self.keys}
             if b.dp_axis:
-                zeros = jax.lax.pcast(zeros, (DP,), to="varying")
+                zeros = jax.lax.pcast(zeros, b.data_axes, to="varying")
             pipe = b.pipeline(self.coll, None, schedule="1f1b")
             sums = pipe.forward_sums(split, micro, extra, self._head_sums, zeros)
         else:
@@ -75,7 +74,8 @@ class Evaluator:
         fn = jax.shard_map(self._local_sums, mesh=self.mesh, in_specs=(self.builder.specs.params, self.builder.batch_spec),
                            out_specs={k: P() for k in self.keys})
         replicated = NamedSharding(self.mesh, P())
-        return jax.jit(fn, in_shardings=(self.builder.state_shardings().params, self.builder.batch_sharding()),
+        ordered = lambda params, batch: fn(params, self.builder.context_order(batch))  # noqa: E731
+        return jax.jit(ordered, in_shardings=(self.builder.state_shardings().params, self.builder.batch_sharding()),
                        out_shardings={k: replicated for k in self.keys})
 
 

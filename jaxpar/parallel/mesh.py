@@ -57,27 +57,36 @@ class Layout:
     pp: int = 1
     tp: int = 1
     tp_split: int = 1
+    cp: int = 1  # context parallelism: an axis "cp" between pp and tp, present only when cp > 1
 
     @classmethod
     def for_config(cls, config) -> "Layout":
         """The layout a whole config needs (a VLA's vision tp may split the tp axis)."""
         vision_tp = config.vision.tp if config.model.kind == "vla" else 1
         split = tp_split(config.mesh.tp, config.model.n_kv_heads, vision_tp)
-        return cls(dp=config.mesh.dp, pp=config.mesh.pp, tp=config.mesh.tp, tp_split=split)
+        return cls(dp=config.mesh.dp, pp=config.mesh.pp, tp=config.mesh.tp, tp_split=split, cp=config.mesh.cp)
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        return AXES + (TP_INNER,) if self.tp_split > 1 else AXES
+        names = ("dp", "pp") + (("cp",) if self.cp > 1 else ()) + ("tp",)
+        return names + (TP_INNER,) if self.tp_split > 1 else names
 
     @property
     def shape(self) -> tuple[int, ...]:
+        outer = (self.dp, self.pp) + ((self.cp,) if self.cp > 1 else ())
         if self.tp_split > 1:
-            return (self.dp, self.pp, self.tp // self.tp_split, self.tp_split)
-        return (self.dp, self.pp, self.tp)
+            return outer + (self.tp // self.tp_split, self.tp_split)
+        return outer + (self.tp,)
+
+    def describe(self) -> str:
+        """"dp x pp x tp = 2 x 1 x 4" (with cp when it splits)."""
+        names, sizes = ("dp", "pp", "cp", "tp"), (self.dp, self.pp, self.cp, self.tp)
+        kept = [(n, s) for n, s in zip(names, sizes) if n != "cp" or self.cp > 1]
+        return " x ".join(n for n, _ in kept) + " = " + " x ".join(str(s) for _, s in kept)
 
     def make_mesh(self, devices=None) -> Mesh:
         """Mesh over `devices` (default: the default backend's devices; every one of them when they belong
@@ -87,7 +96,7 @@ class Layout:
         if len(devices) < self.size:
             platform = f"{devices[0].platform.upper()} " if len(devices) else ""
             raise ConfigError(
-                f"mesh dp x pp x tp = {self.dp} x {self.pp} x {self.tp} = {self.size} needs {self.size} devices "
+                f"mesh {self.describe()} = {self.size} needs {self.size} devices "
                 f"but {len(devices)} {platform}devices are visible; shrink mesh.dp/pp/tp "
                 f"or use --dry_run to compile on emulated devices")
         types = (AxisType.Auto,) * len(self.axis_names)
@@ -100,11 +109,12 @@ class Layout:
         processes = sorted({d.process_index for d in devices})
         if len(devices) != self.size:
             raise ConfigError(
-                f"mesh dp x pp x tp = {self.size} but the job's {len(processes)} processes hold {len(devices)} "
+                f"mesh {self.describe()} = {self.size} but the job's {len(processes)} processes hold {len(devices)} "
                 f"devices; on several processes the mesh must use every device: set mesh.dp/pp/tp to multiply "
                 f"to {len(devices)} or launch fewer processes")
         inside, across = split_over_processes(self.shape, len(devices) // len(processes))
-        if math.prod(across[2:]) > 1 and jax.process_index() == 0:
+        tp_parts = 2 if self.tp_split > 1 else 1
+        if math.prod(across[-tp_parts:]) > 1 and jax.process_index() == 0:
             print(f"note: tp={self.tp} is larger than a process's {len(devices) // len(processes)} devices or does "
                   f"not divide them: tp all-reduces cross nodes", file=sys.stderr)
         return mesh_utils.create_hybrid_device_mesh(inside, across, devices, process_is_granule=True)
@@ -191,7 +201,7 @@ def devices_for(layout: Layout, dry_run: bool) -> list:
             return accelerators
         if not dry_run:
             raise ConfigError(
-                f"mesh dp x pp x tp = {layout.size} is larger than the {len(accelerators)} {backend.upper()} "
+                f"mesh {layout.describe()} = {layout.size} is larger than the {len(accelerators)} {backend.upper()} "
                 f"devices here; shrink mesh.dp/pp/tp, launch on more hosts, or add --dry_run")
     cpus = jax.devices("cpu")
     if len(cpus) < layout.size:

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config, carries_instruction_bytes, image_tokens
 from jaxpar.errors import ConfigError
-from jaxpar.layers.collectives import Collectives, varying_of
+from jaxpar.layers.collectives import Collectives, balanced_order, varying_of
 from jaxpar.layers.order import after, chain
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel.optim import lr_schedule, make_optimizer
@@ -47,7 +47,7 @@ from jaxpar.parallel.split_backward import SplitBackward
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
 from jaxpar.parallel.zero import StateSpecs, ZeroPlan, reduce_gradients
-from jaxpar.sharding import DP, kv_head_ways, kv_heads_replicated, llm_rules, tensor_axes, tp_split_of, zero_dim
+from jaxpar.sharding import CP, DP, data_axes, kv_head_ways, kv_heads_replicated, llm_rules, tensor_axes, tp_split_of, zero_dim
 
 
 HOST = "pinned_host"  # memory kind of offloaded optimizer state
@@ -119,10 +119,16 @@ class StepBuilder:
         # gradients are reduced over dp in fp32 unless grad_reduce=bf16 (Megatron's default is fp32 too)
         self.grad_reduce_dtype = jnp.bfloat16 if self.bf16 and config.grad_reduce == "bf16" else jnp.float32
         _check_host_memory(config, mesh)
-        self.dp_axis = DP if mesh.shape[DP] > 1 else None  # no dp collectives at all when dp == 1
-        self.zero = ZeroPlan(self.stage, mesh.shape[DP], mesh.shape["pp"] > 1, config.remat.policy,
+        # the axes gradients are summed over (dp, and cp with context parallelism); None when they are
+        # all of size 1: no data-parallel collectives at all
+        self.data_axes = tuple(a for a in data_axes(mesh) if mesh.shape[a] > 1)
+        self.dp_axis = self.data_axes or None
+        self.data_ways = int(np.prod([mesh.shape[a] for a in self.data_axes]))
+        self.context_ways = mesh.shape.get(CP, 1)
+        self.zero = ZeroPlan(self.stage, self.data_ways, mesh.shape["pp"] > 1, config.remat.policy,
                              config.zero.prefetch, config.train.grad_accum)
-        self.batch_spec = P(self.dp_axis, None)  # [batch, seq]: batch over dp
+        # [batch, seq]: batch over dp, the sequence over cp (in context_order)
+        self.batch_spec = P(DP if mesh.shape[DP] > 1 else None, CP if self.context_ways > 1 else None)
 
     # ------------------------------------------------------------------ state layout
     def _named(self, specs, memory_kind: str | None = None):
@@ -234,9 +240,10 @@ class StepBuilder:
     def collectives(self) -> Collectives:
         tp = tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None
         return Collectives(tp_axis=tp, sequence_axis=tp if self.config.mesh.sequence_parallel else None,
-                           zero3_axis=DP if self.zero.gathers_weights else None,
-                           zero2_axis=DP if self.zero.taps_grads else None, zero3_prefetch=self.zero.prefetches,
-                           dp_reduce_axis=DP if self.zero.reduces_in_backward else None,
+                           zero3_axis=self.dp_axis if self.zero.gathers_weights else None,
+                           zero2_axis=self.dp_axis if self.zero.taps_grads else None, zero3_prefetch=self.zero.prefetches,
+                           dp_reduce_axis=self.dp_axis if self.zero.reduces_in_backward else None,
+                           context_axis=CP if self.context_ways > 1 else None,
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
                            kv_heads_replicated=self.replicates_kv and tp is not None, zero_hooks=zero.LAYER_HOOKS)
 
@@ -250,7 +257,7 @@ class StepBuilder:
         layer by layer; a pipeline reduces each part itself, as soon as its gradient is final."""
         if not self.zero.reduces_after_backward:
             return grads
-        return reduce_gradients(grads, self.axes if axes is None else axes, DP, self.stage >= 2,
+        return reduce_gradients(grads, self.axes if axes is None else axes, self.dp_axis, self.stage >= 2,
                                 self.specs_rules, self.grad_reduce_dtype)
 
     def _local_loss_and_grads(self, params, batch):
@@ -283,12 +290,12 @@ class StepBuilder:
         cfg, accum = self.config.model, self.config.train.grad_accum
         coll, policy = self.collectives(), self.remat_policy()
         if self.zero.reduces_after_backward or self.zero.taps_grads:  # each dp rank's own gradients
-            params = jax.lax.pcast(params, (DP,), to="varying")  # (reduced below, or by ZeRO-2's taps)
+            params = jax.lax.pcast(params, self.data_axes, to="varying")  # (reduced below, or by ZeRO-2's taps)
         if self.mesh.shape["pp"] > 1:
             return self._pipelined_loss_and_grads(params, batch, image_tokens, token_count, coll, policy)
 
         if self.zero.taps_grads:  # the taps' values are never used, only their shape and type
-            frozen, dp = jax.lax.stop_gradient(params), self.mesh.shape[DP]
+            frozen, dp = jax.lax.stop_gradient(params), self.data_ways
             params = jax.tree.map(lambda w, axes: jax.lax.slice_in_dim(w, 0, w.shape[zero_dim(axes)] // dp,
                                                                        axis=zero_dim(axes)), frozen, self.axes)
             with_weights = lambda t: jax.tree.map(lambda full, tap: (full, tap), frozen, t)  # noqa: E731
@@ -343,7 +350,7 @@ class StepBuilder:
         pipe = self.config.pipeline
         table = pipeline_schedule.build(schedule or pipe.schedule, self.mesh.shape["pp"], pipe.microbatches,
                                         pipe.virtual_stages)
-        varying = ("pp",) + ((DP,) if self.dp_axis else ())
+        varying = ("pp",) + self.data_axes
         part_axes = self.pipeline_parts(self.axes)
         split = SplitBackward() if table.kind == "zb" else None  # zb: B and W split in the layers' linears
         coll = dataclasses.replace(coll, weight_grads=split)
@@ -374,7 +381,17 @@ class StepBuilder:
         return loss, grads, None if d_extra is None else d_extra.reshape(image_tokens.shape)
 
     def _dp_sum(self, x):
-        return jax.lax.psum(x, DP) if self.dp_axis else x
+        """Sum over the data axes (dp, and cp: a loss or count of other tokens)."""
+        return jax.lax.psum(x, self.dp_axis) if self.dp_axis else x
+
+    def context_order(self, batch: dict) -> dict:
+        """The batch's [B, S] arrays in context parallelism's balanced token order (each cp rank gets an
+        early and a late chunk: jaxpar.layers.collectives.balanced_order); the identity without cp.
+        Losses and counts are sums over tokens, so the order changes none of them."""
+        if self.context_ways == 1:
+            return batch
+        order = balanced_order(self.seq_len, self.context_ways)
+        return {k: (v[:, order] if v.ndim >= 2 and v.shape[1] == self.seq_len else v) for k, v in batch.items()}
 
     def loss_and_grads(self, params, batch):
         """Global mean token loss, gradients (laid out as ZeRO's gradient specs) and their global L2 norm."""
@@ -384,7 +401,7 @@ class StepBuilder:
 
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs.params, self.batch_spec),
                            out_specs=(P(), self.specs.grads, P()))
-        return fn(params, batch)
+        return fn(params, self.context_order(batch))
 
     def _global_norm(self, grads):
         """The L2 norm of the whole gradient, in fp32, in one all-reduce over the mesh: each device's sum

@@ -1,0 +1,89 @@
+"""Context parallelism (issue 31): the sequence split over a cp mesh axis for the whole layer, K / V
+gathered over cp; every layout gives the single-device losses and gradients (tests/test_equivalence.py's
+data and steps), and refuses what is not built with one line."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import TINY_MODEL, builder_for, make_config
+from jaxpar.compiler import hlo_collectives
+from jaxpar.config import validate
+from jaxpar.errors import ConfigError
+from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
+
+# (dp, cp, tp, ZeRO stage, sequence parallel, n_kv_heads); seq_len 16, batch 16, 8 query heads
+FAST = [
+    (1, 2, 1, 0, False, 8),
+    (2, 4, 1, 1, False, 8),  # ZeRO-1 over dp x cp = 8
+    (1, 2, 2, 3, False, 8),  # ZeRO-3's gathers over dp x cp, with tp
+    (2, 2, 2, 2, True, 2),  # ZeRO-2, sequence parallelism inside each cp chunk, GQA (a KV head per tp rank)
+]
+SLOW = [
+    (1, 4, 1, 0, False, 8),
+    (1, 4, 2, 0, False, 1),  # one KV head on every tp rank
+    (2, 2, 2, 0, False, 8),
+]
+
+
+def context_config(dp, cp, tp, stage, sp, n_kv):
+    model = dataclasses.replace(TINY_MODEL, n_kv_heads=n_kv)
+    config = make_config(dp=dp, tp=tp, stage=stage, model=model)
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, cp=cp, sequence_parallel=sp))
+    validate(config)
+    return config
+
+
+def check(layout):
+    config = context_config(*layout)
+    ref_grads, ref_losses, _ = reference(model=config.model)
+    grads, losses, state = run(config)
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert_grads_close(grads, ref_grads)
+    assert dict(builder_for(config).mesh.shape)["cp"] == layout[1]
+
+
+@pytest.mark.parametrize("layout", FAST, ids=str)
+def test_context_parallel_matches_single_device(layout):
+    check(layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", SLOW, ids=str)
+def test_context_parallel_matrix_matches_single_device(layout):
+    check(layout)
+
+
+def test_the_batch_and_the_keys_are_split_over_cp():
+    """Each device holds 1/cp of every sequence, and the step gathers keys and values over cp: one
+    all-gather pair per layer in the program jaxpar writes (their transposes, reduce-scatters over cp,
+    in the backward)."""
+    config = context_config(1, 4, 2, 0, False, 8)
+    builder = builder_for(config)
+    assert builder.batch_spec == P(None, "cp")
+    lowered = builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch())
+    by_axis = {}
+    for row in hlo_collectives.collectives(lowered.as_text(dialect="hlo"), builder.mesh):
+        by_axis[(row["op"], row["axis"])] = by_axis.get((row["op"], row["axis"]), 0) + row["count"]
+    layers = config.model.n_layers
+    assert by_axis[("all-gather", "cp")] == 2 * layers
+    assert by_axis[("reduce-scatter", "cp")] == 2 * layers
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(cp=4, seq=12), "mesh.cp=4 cuts train.seq_len=12 into 2 x cp chunks, which do not divide it; make it a "
+                         "multiple of 8"),
+    (dict(cp=2, strategy="ring"), "mesh.cp_strategy=ring is not built yet; use all_gather"),
+    (dict(cp=2, strategy="ulysses"), "mesh.cp_strategy='ulysses' is unknown; use all_gather or ring"),
+    (dict(cp=2, pp=2), "mesh.cp=2 with mesh.pp=2: context parallelism does not run with a pipeline yet; "
+                       "set mesh.pp=1 or mesh.cp=1"),
+])
+def test_context_parallel_refusals_are_one_line(overrides, message):
+    config = make_config(seq_len=overrides.get("seq", 16))
+    mesh = dataclasses.replace(config.mesh, cp=overrides["cp"], pp=overrides.get("pp", 1),
+                               cp_strategy=overrides.get("strategy", "all_gather"))
+    with pytest.raises(ConfigError) as err:
+        validate(dataclasses.replace(config, mesh=mesh))
+    assert str(err.value) == message
