@@ -322,6 +322,8 @@ def test_cli_json_has_peak_and_hardware_override():
      "--gpus_per_node=8 is more than --gpus=4"),
     (["--config", "vla70b.py", "--recommend", "--gpus", "8"], "no layout of 8 x a100-80gb fits"),
     (["--config", "llama7b.py", "--config.zero.stage=7"], "zero.stage=7 is out of range"),
+    (["--config", "llama7b.py", "--config.mesh.dp=4", "--config.mesh.cp=2"],
+     "mesh.cp=2: the planner does not model context parallelism yet"),
 ])
 def test_cli_errors_are_one_line(args, expect):
     out = plan_cli(*args)

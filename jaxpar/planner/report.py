@@ -43,7 +43,9 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
 
 def gpu_figures(config: Config, gpu_name: str, gpus_per_node: int) -> dict:
     """The planner's step time, MFU and peak for a layout, to sit beside the GPU compiler's in the GPU
-    dry run (jaxpar.compiler.dry_run)."""
+    dry run (jaxpar.compiler.dry_run); None for what it does not model (context parallelism)."""
+    if config.mesh.cp > 1:
+        return None
     hw = hardware.get(gpu_name)
     planned = cost.step_time(config, hw, gpus_per_node)
     peak = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]["peak"]
