@@ -113,6 +113,10 @@ class Layout:
                 f"devices; on several processes the mesh must use every device: set mesh.dp/pp/tp to multiply "
                 f"to {len(devices)} or launch fewer processes")
         inside, across = split_over_processes(self.shape, len(devices) // len(processes))
+        if self.cp > 1 and across[2] > 1:  # each process reads whole sequences (jaxpar.data.pipeline)
+            raise ConfigError(f"mesh.cp={self.cp} x mesh.tp={self.tp} is more than a process's "
+                              f"{len(devices) // len(processes)} devices: context parallelism across processes is "
+                              f"not built yet; lower mesh.cp or mesh.tp")
         tp_parts = 2 if self.tp_split > 1 else 1
         if math.prod(across[-tp_parts:]) > 1 and jax.process_index() == 0:
             print(f"note: tp={self.tp} is larger than a process's {len(devices) // len(processes)} devices or does "
