@@ -69,18 +69,20 @@ LLAMA_LAYOUTS = {
     "dp4_tp2_zero3": dict(dp=4, tp=2, stage=3),
     "pp2_dp2_tp2_zero2": dict(dp=2, pp=2, tp=2, stage=2),
     "pp2_dp2_tp2_zero1_sequence_parallel": dict(dp=2, pp=2, tp=2, stage=1, sp=True),
+    "dp2_cp2_tp2_zero3_context_parallel": dict(dp=2, tp=2, stage=3, cp=2),  # sums over dp x cp, balanced order
 }
 
 
 @pytest.mark.parametrize("layout", LLAMA_LAYOUTS.values(), ids=LLAMA_LAYOUTS.keys())
 def test_text_eval_on_any_layout_equals_the_single_device_model(layout, rng):
-    config = make_config(**{k: v for k, v in layout.items() if k != "sp"})
-    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence_parallel=layout.get("sp", False)))
+    config = make_config(**{k: v for k, v in layout.items() if k not in ("sp", "cp")})
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence_parallel=layout.get("sp", False),
+                                                                  cp=layout.get("cp", 1)))
     if layout.get("pp", 1) > 1:
         config = dataclasses.replace(config, pipeline=PipelineConfig(schedule="1f1b", microbatches=2))
     batch = text_batch(config, rng)
     params, sums = eval_sums(config, batch)
-    assert_really_sharded(params, layout["tp"] * (layout["dp"] if layout["stage"] == 3 else 1)
+    assert_really_sharded(params, layout["tp"] * (layout["dp"] * layout.get("cp", 1) if layout["stage"] == 3 else 1)
                           * layout.get("pp", 1))
     expected = reference_text_sums(builder_for(make_config()).init_state(0).params, batch)
     assert sums["tokens"] == expected["tokens"] and sums["correct"] == expected["correct"]
