@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.layers.attention import core_attention, positions_mask, prefix_lm_mask, rope
+from jaxpar.layers.attention import core_attention, prefix_lm_mask, rope
+from jaxpar.layers.blockwise import block_attention, merge_blocks, positions_mask
 from jaxpar.layers.collectives import balanced_order
 
 
@@ -46,3 +47,22 @@ def test_rope_at_a_ranks_positions_is_the_whole_sequences_rope_there():
     x = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))
     mine = balanced_order(32, 4)[8:16]  # rank 1 of 4: chunks 1 and 6
     np.testing.assert_allclose(rope(x[:, mine], 10000.0, positions_S=mine), rope(x, 10000.0)[:, mine], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_blocks_merged_by_log_sum_exp_are_the_whole_attention(kv_heads):
+    """Ring attention's arithmetic: the keys in cp order cut into blocks, each block's attention (one
+    wholly masked for early queries) merged in ring order (own block first) is the whole attention."""
+    batch, seq, heads, head_dim, ways = 2, 32, 4, 8, 4
+    q = jax.random.normal(jax.random.key(0), (batch, seq, heads, head_dim))
+    k, v = (jax.random.normal(jax.random.key(i), (batch, seq, kv_heads, head_dim)) for i in (1, 2))
+    whole = core_attention(q, k, v, "xla", is_causal=True)
+    order, local = balanced_order(seq, ways), seq // ways
+    blocks = [order[r * local:(r + 1) * local] for r in range(ways)]
+    for rank in range(ways):
+        mine, out, lse = blocks[rank], None, None
+        for step in range(ways):
+            theirs = blocks[(rank - step) % ways]
+            o, l = block_attention(q[:, mine], k[:, theirs], v[:, theirs], positions_mask(mine, theirs))
+            out, lse = (o, l) if out is None else merge_blocks(out, lse, o, l)
+        np.testing.assert_allclose(out, whole[:, mine], rtol=1e-5, atol=1e-6)

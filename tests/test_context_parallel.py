@@ -36,8 +36,9 @@ def context_config(dp, cp, tp, stage, sp, n_kv):
     return config
 
 
-def check(layout):
+def check(layout, strategy="all_gather"):
     config = context_config(*layout)
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, cp_strategy=strategy))
     ref_grads, ref_losses, _ = reference(model=config.model)
     grads, losses, state = run(config)
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
@@ -54,6 +55,17 @@ def test_context_parallel_matches_single_device(layout):
 @pytest.mark.parametrize("layout", SLOW, ids=str)
 def test_context_parallel_matrix_matches_single_device(layout):
     check(layout)
+
+
+RING = [(1, 4, 1, 0, False, 8), pytest.param((2, 2, 2, 3, True, 2), marks=pytest.mark.slow),
+        pytest.param((1, 2, 2, 1, False, 1), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("layout", RING, ids=str)
+def test_ring_attention_matches_single_device(layout):
+    """cp_strategy=ring: K / V blocks passed around cp, merged by log-sum-exp; with ZeRO-3, sequence
+    parallelism and GQA (two KV heads, and one on every tp rank)."""
+    check(layout, strategy="ring")
 
 
 # (dp, tp, ZeRO stage, schedule, virtual stages) at pp = 2, cp = 2, m = 4; 4 layers, batch 24
@@ -98,7 +110,6 @@ def test_the_batch_and_the_keys_are_split_over_cp():
 @pytest.mark.parametrize("overrides,message", [
     (dict(cp=4, seq=12), "mesh.cp=4 cuts train.seq_len=12 into 2 x cp chunks, which do not divide it; make it a "
                          "multiple of 8"),
-    (dict(cp=2, strategy="ring"), "mesh.cp_strategy=ring is not built yet; use all_gather"),
     (dict(cp=2, strategy="ulysses"), "mesh.cp_strategy='ulysses' is unknown; use all_gather or ring"),
 ])
 def test_context_parallel_refusals_are_one_line(overrides, message):

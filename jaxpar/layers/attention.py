@@ -25,6 +25,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax._src.cudnn import fused_attention_stablehlo as _fmha
 
+from jaxpar.layers.blockwise import positions_mask
 from jaxpar.layers.collectives import Collectives
 
 
@@ -64,15 +65,6 @@ def prefix_lm_mask(seq_len: int, prefix_len: int) -> jax.Array:
     return ((cols <= rows) | (cols < prefix_len))[None, None]
 
 
-def positions_mask(q_positions: jax.Array, k_positions: jax.Array, prefix_len: int = 0) -> jax.Array:
-    """[1, 1, Sq, Sk] bool for queries and keys at arbitrary sequence positions: causal (a key at or before
-    the query), and with `prefix_len` the prefix sees itself whole (the prefix-LM mask). With positions
-    0..S-1 on both sides it is prefix_lm_mask; context parallelism gives each rank's queries its own
-    positions against the gathered keys'."""
-    q, k = q_positions[:, None], k_positions[None, :]
-    return ((k <= q) | (k < prefix_len))[None, None]
-
-
 def kernel(implementation: str) -> str:
     """The `implementation` argument of jax.nn.dot_product_attention for a config's attention value."""
     if implementation not in ("auto", "xla", "cudnn", ""):
@@ -107,7 +99,10 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     positions_S = coll.context_positions(x_BxSxD.shape[1])  # None: 0..S-1
     q_BxSxNxH = rope(q_BxSxNxH, rope_theta, rope_scaling, positions_S)
     k_BxSxKxH = rope(k_BxSxKxH, rope_theta, rope_scaling, positions_S)
-    if positions_S is not None:  # context parallelism: this rank's queries against every key
+    if positions_S is not None and coll.context_strategy == "ring":  # K / V blocks passed around cp
+        o_BxSxNxH = coll.ring_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, positions_S, prefix_len)
+        o_BxSxNxH = checkpoint_name(o_BxSxNxH, "attention_out")
+    elif positions_S is not None:  # context parallelism: this rank's queries against every key, gathered
         k_BxTxKxH, v_BxTxKxH, k_positions_T = coll.gather_context(k_BxSxKxH, v_BxSxKxH)
         mask = positions_mask(positions_S, k_positions_T, prefix_len)
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, impl, mask=mask)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.layers.blockwise import block_attention, merge_blocks, positions_mask
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
 from jaxpar.layers.order import (backward_ordered, chain_both_ways, cotangent_after, cotangent_summed,
                                  ordered_both_ways)
@@ -69,6 +70,7 @@ class Collectives:
     # Context parallelism: the sequence is split over this axis in balanced_order; attention gathers
     # the keys and values over it (jaxpar.layers.attention, docs/design.md "Context parallelism")
     context_axis: str | None = None
+    context_strategy: str = "all_gather"  # or "ring": K / V blocks passed around the cp ranks
 
     def context_positions(self, local_len: int) -> jax.Array | None:
         """This rank's token positions in the whole sequence (its slice of balanced_order); None
@@ -78,6 +80,29 @@ class Collectives:
         ways = jax.lax.axis_size(self.context_axis)
         order = jnp.asarray(balanced_order(local_len * ways, ways))
         return jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(self.context_axis) * local_len, local_len)
+
+    def ring_attention(self, q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
+                       positions_S: jax.Array, prefix_len: int) -> jax.Array:
+        """This rank's attention output over the whole sequence without gathering it: K and V travel
+        the cp ring one block per step (one collective-permute of both, issued before the step's
+        block attention so that a GPU overlaps the two), each block masked by its own positions and
+        merged by log-sum-exp (jaxpar.layers.blockwise). Step 0 is this rank's own
+        block, which holds every query's diagonal, so no query ever has nothing to attend to."""
+        ways, rank = jax.lax.axis_size(self.context_axis), jax.lax.axis_index(self.context_axis)
+        local = k_BxSxKxH.shape[1]
+        order = jnp.asarray(balanced_order(local * ways, ways))
+        ring = [(i, (i + 1) % ways) for i in range(ways)]
+        kv = jnp.concatenate([k_BxSxKxH, v_BxSxKxH], axis=-1)
+        out = lse = None
+        for step in range(ways):
+            following = jax.lax.ppermute(kv, self.context_axis, ring) if step < ways - 1 else None
+            source = (rank - step) % ways  # whose block this rank holds at this step
+            k_positions = jax.lax.dynamic_slice_in_dim(order, source * local, local)
+            k_blk, v_blk = jnp.split(kv, 2, axis=-1)
+            o, l = block_attention(q_BxSxNxH, k_blk, v_blk, positions_mask(positions_S, k_positions, prefix_len))
+            out, lse = (o, l) if out is None else merge_blocks(out, lse, o, l)
+            kv = following
+        return out.astype(q_BxSxNxH.dtype)
 
     def gather_context(self, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array):
         """(keys, values, their positions) of the whole sequence: all-gathered over the context axis

@@ -244,6 +244,7 @@ class StepBuilder:
                            zero2_axis=self.dp_axis if self.zero.taps_grads else None, zero3_prefetch=self.zero.prefetches,
                            dp_reduce_axis=self.dp_axis if self.zero.reduces_in_backward else None,
                            context_axis=CP if self.context_ways > 1 else None,
+                           context_strategy=self.config.mesh.cp_strategy,
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
                            kv_heads_replicated=self.replicates_kv and tp is not None, zero_hooks=zero.LAYER_HOOKS)
 
