@@ -281,3 +281,16 @@ def test_a_checkpoint_of_another_precision_is_refused_not_quarantined(tmp_path):
     with pytest.raises(ConfigError, match="different state"):
         train(bf16, builder_for(bf16).mesh, tmp_path, show_progress=False)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
+
+
+@pytest.mark.slow  # resharding stays in `make test` (onto another layout); this adds context parallelism
+def test_checkpoint_restores_across_context_parallelism(tmp_path):
+    """(2, cp 2, 2) ZeRO-3 (states sharded over dp x cp), trained by the real loop -> (4,1,2) ZeRO-1
+    without cp: the same losses as one uninterrupted cp run."""
+    cp_run = make_config(dp=2, tp=2, stage=3, steps=6, lr=3e-3)
+    cp_run = with_checkpoints(dataclasses.replace(cp_run, mesh=dataclasses.replace(cp_run.mesh, cp=2)), every=3)
+    full = [r["loss"] for r in train(cp_run, builder_for(cp_run).mesh, tmp_path, show_progress=False)]
+    drop_checkpoints_after(tmp_path, 3)
+    second = with_checkpoints(make_config(dp=4, tp=2, stage=1, steps=6, lr=3e-3), every=3)
+    resumed = train(second, builder_for(second).mesh, tmp_path, show_progress=False)
+    np.testing.assert_allclose([r["loss"] for r in resumed], full[3:], rtol=1e-5)

@@ -46,8 +46,8 @@ def test_kv_heads_held_whole_on_an_unsplit_tp_axis(monkeypatch, n_kv, layout, st
     check_gqa_layout(n_kv, layout, stage, False, whole=True)
 
 
-@pytest.mark.parametrize("n_kv,layout,stage,sp", [(1, (1, 2, 4), 0, True),
-                                                  pytest.param(2, (2, 2, 2), 1, False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # zb's equivalence is in `make test` (tests/test_pipeline.py); these add GQA's KV paths
+@pytest.mark.parametrize("n_kv,layout,stage,sp", [(1, (1, 2, 4), 0, True), (2, (2, 2, 2), 1, False)])
 def test_zero_bubble_splits_the_kv_projections_too(n_kv, layout, stage, sp):
     """zb's W computes the shared KV head's weight gradient (through the pick of this rank's head and
     its sum over the sharers) from the kept input and output gradient; with sequence parallelism W
