@@ -43,9 +43,6 @@ def run(argv: list[str]) -> int:
     config = load_run_config(args.config, overrides)
     if args.gpus_per_node < 1:
         raise ConfigError(f"--gpus_per_node={args.gpus_per_node} must be >= 1")
-    if config.mesh.cp > 1:
-        raise ConfigError(f"mesh.cp={config.mesh.cp}: the planner does not model context parallelism yet; compile "
-                          f"the layout with python -m jaxpar.train --dry_run [--gpu NAME] for its memory and collectives")
     if args.recommend:
         gpus = args.gpus or config.mesh.size
         result = recommend.recommend(config, gpus, args.gpus_per_node, hw, args.top)

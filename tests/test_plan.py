@@ -37,8 +37,8 @@ def _fast_compile(self, compiler_options=None, **kwargs):
     return _compile(self, {**FAST_COMPILE, **(compiler_options or {})}, **kwargs)
 
 
-def tiny(dp=1, pp=1, tp=1, stage=0, remat="none", m=1, precision="fp32", sp=False, schedule="1f1b") -> Config:
-    config = Config(mesh=MeshConfig(dp, pp, tp, sequence_parallel=sp), zero=ZeroConfig(stage), precision=precision,
+def tiny(dp=1, pp=1, tp=1, stage=0, remat="none", m=1, precision="fp32", sp=False, schedule="1f1b", cp=1) -> Config:
+    config = Config(mesh=MeshConfig(dp, pp, tp, sequence_parallel=sp, cp=cp), zero=ZeroConfig(stage), precision=precision,
                     train=TrainConfig(global_batch_size=16, seq_len=128), model=MODEL, remat=RematConfig(remat),
                     pipeline=PipelineConfig(schedule, m))
     validate(config)
@@ -60,6 +60,8 @@ AGREEMENT = [  # attention-heavy (none), Megatron selective, ZeRO-2 with full re
     dict(dp=2, tp=4, remat="selective", sp=True),  # sequence parallel: the residual stream split over tp
     dict(pp=2, tp=4, remat="full", m=4, sp=True),  # ... and the pipeline's stash and sends
     dict(pp=4, tp=2, remat="full", m=8, schedule="zb"),  # zb keeps its linears' inputs and output gradients
+    dict(dp=2, cp=2, tp=2, stage=1, remat="none"),  # context parallelism: 1/cp of the tokens, all the keys
+    dict(cp=4, tp=2, stage=3, remat="selective"),  # ... ZeRO-3 over cp
 ]
 
 
@@ -221,13 +223,13 @@ FLOPS_MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_k
 
 
 @functools.cache
-def flops_dry_run(dp, pp, tp, stage=0, remat="none", m=1, vla=False, schedule="1f1b", virtual=1) -> tuple[Config, dict]:
+def flops_dry_run(dp, pp, tp, stage=0, remat="none", m=1, vla=False, schedule="1f1b", virtual=1, cp=1) -> tuple[Config, dict]:
     if vla:
         config = load_config("vla_tiny.py", [f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}",
                                              f"pipeline.microbatches={m}", f"remat.policy={remat}"])
     else:
         config = make_config(dp=dp, pp=pp, tp=tp, stage=stage, model=FLOPS_MODEL, seq_len=512)
-        config = dataclasses.replace(config, remat=RematConfig(remat),
+        config = dataclasses.replace(config, remat=RematConfig(remat), mesh=dataclasses.replace(config.mesh, cp=cp),
                                      pipeline=dataclasses.replace(config.pipeline, microbatches=m, schedule=schedule,
                                                                   virtual_stages=virtual))
         validate(config)
@@ -248,7 +250,8 @@ def assert_flops_agree(config, report, bubble_fraction):
 
 
 @pytest.mark.parametrize("layout", [dict(remat="none"), dict(remat="selective"), dict(remat="full"),
-                                    dict(dp=2, tp=4, stage=1, remat="none"), dict(dp=2, tp=4, stage=1, remat="full")],
+                                    dict(dp=2, tp=4, stage=1, remat="none"), dict(dp=2, tp=4, stage=1, remat="full"),
+                                    dict(cp=4, tp=2, remat="none"), dict(dp=2, cp=2, tp=2, stage=1, remat="full")],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_planned_flops_match_the_compiled_step_without_pipeline(layout):
     layout = {"dp": 1, "pp": 1, "tp": 1, **layout}
@@ -322,8 +325,6 @@ def test_cli_json_has_peak_and_hardware_override():
      "--gpus_per_node=8 is more than --gpus=4"),
     (["--config", "vla70b.py", "--recommend", "--gpus", "8"], "no layout of 8 x a100-80gb fits"),
     (["--config", "llama7b.py", "--config.zero.stage=7"], "zero.stage=7 is out of range"),
-    (["--config", "llama7b.py", "--config.mesh.dp=4", "--config.mesh.cp=2"],
-     "mesh.cp=2: the planner does not model context parallelism yet"),
 ])
 def test_cli_errors_are_one_line(args, expect):
     out = plan_cli(*args)

@@ -33,7 +33,7 @@ from jaxpar.planner import traffic
 from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.parallel.pipeline import activation_collectives
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
-from jaxpar.planner.memory import (Block, llm_block, local_params, microbatch,
+from jaxpar.planner.memory import (Block, llm_block, local_params, local_seq, microbatch,
                                   seq_len, vision_data_ways, vit_block)
 
 # The parts of one layer's forward each remat policy computes again in the backward (layer_forward keys).
@@ -56,8 +56,9 @@ def layer_forward(blk: Block, b: int, s: int) -> dict[str, float]:
     attention scores and values are full s x s matmuls (XLA's attention masks, it does not skip)."""
     t = b * s
     ups = 2 if blk.gated else 1
-    parts = {"qkv": 2.0 * t * blk.d * (blk.q + 2 * blk.kv), "scores": 2.0 * b * s * s * blk.q,
-             "values": 2.0 * b * s * s * blk.q, "out": 2.0 * t * blk.q * blk.d,
+    keys = s * blk.context  # context parallelism: this rank's s queries against the whole sequence
+    parts = {"qkv": 2.0 * t * blk.d * (blk.q + 2 * blk.kv), "scores": 2.0 * b * s * keys * blk.q,
+             "values": 2.0 * b * s * keys * blk.q, "out": 2.0 * t * blk.q * blk.d,
              "mlp_in": 2.0 * t * blk.d * blk.f * ups, "mlp_out": 2.0 * t * blk.f * blk.d}
     parts["total"] = sum(parts.values())
     return parts
@@ -81,7 +82,7 @@ def llm_flops(config: Config) -> dict[str, float]:
     weight matmul of the forward, from the inputs F kept: jaxpar.parallel.split_backward). A chunk
     slot is 1/v of the stage."""
     mesh, m = config.mesh, config.model
-    s, b = seq_len(config), microbatch(config)
+    s, b = local_seq(config), microbatch(config)
     pipelined, policy = mesh.pp > 1, config.remat.policy
     passes = config.pipeline.microbatches if pipelined else config.train.grad_accum
     v = config.pipeline.virtual_stages if pipelined else 1
@@ -100,7 +101,7 @@ def llm_flops(config: Config) -> dict[str, float]:
             "W": layers * weights if zb else 0.0}
     slots = slot_counts(config)
     executed = sum(slots[k] * cost[k] for k in "FBW") / v * (1 if pipelined else passes)
-    head = passes * 3 * 2.0 * b * s * m.d_model * m.vocab_size / (mesh.tp * mesh.pp)
+    head = passes * 3 * 2.0 * b * s * m.d_model * m.vocab_size / (mesh.tp * mesh.pp)  # s: this rank's tokens
     return {"layers": executed, "layers_busy": passes * sum(cost.values()), "head": head, "slot_costs": cost}
 
 
@@ -155,7 +156,7 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     c = 2 if config.precision == "bf16" else 4
     p = mesh.pp
     passes = config.pipeline.microbatches if p > 1 else config.train.grad_accum
-    activation = c * microbatch(config) * seq_len(config) * m.d_model  # one [b, s, d] in compute dtype
+    activation = c * microbatch(config) * local_seq(config) * m.d_model  # one [b, s / cp, d] in compute dtype
     # tp: 2 all-reduces per layer forward, 2 backward, 2 more per recomputed forward (full remat, stage recompute)
     forwards = 1 + (config.remat.policy == "full") + (p > 1 and config.pipeline.stage_recompute)
     tp_bw, tp_link = link_bandwidth(1, mesh.tp, gpus_per_node, hw)
@@ -173,11 +174,28 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     # what a GPU's schedule hides (XLA's latency-hiding scheduler, jaxpar.compiler.gpu_program): the backward's
     # tp all-reduces run beside its weight-gradient matmuls; the pipeline's sends beside the ticks' compute
     tp_exposed = tp_s * 2 * forwards / (2 * forwards + 2)
-    return {"tp_comm_s": tp_s, "tp_exposed_s": tp_exposed, "pp_sends_s": sends_s,
+    cp_s, cp_link = _cp_comm_s(config, hw, gpus_per_node, c, forwards)
+    return {"tp_comm_s": tp_s, "tp_exposed_s": tp_exposed, "pp_sends_s": sends_s, "cp_comm_s": cp_s,
             "vision_dp_s": _vision_dp_s(config, hw, gpus_per_node, c),
             "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"],
             "dp_grad_reduce_s": dp["grad_reduce"], "pp_comm_s": pp_s,
-            "links": {"tp": tp_link, "dp": dp["link"], "pp": pp_link}}
+            "links": {"tp": tp_link, "dp": dp["link"], "pp": pp_link, **({"cp": cp_link} if config.mesh.cp > 1 else {})}}
+
+
+def _cp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int, forwards: int) -> tuple[float, str]:
+    """Context parallelism's K / V traffic per step: every layer forward (and recomputed forward)
+    moves the whole sequence's K and V to each rank (all_gather: one all-gather each; ring: cp - 1
+    sends of a block, the same bytes), and the backward returns their gradients (reduce-scatters, or
+    the ring's sends). Counted as exposed, though a GPU's schedule overlaps them (BENCHMARKS.md)."""
+    mesh, m = config.mesh, config.model
+    if mesh.cp <= 1:
+        return 0.0, "none"
+    passes = config.pipeline.microbatches if mesh.pp > 1 else config.train.grad_accum
+    kv = max(m.n_kv_heads // mesh.tp, 1) * m.head_dim
+    whole = c * microbatch(config) * seq_len(config) * 2 * kv  # K and V of the whole sequence, this tp rank's heads
+    bw, link = link_bandwidth(mesh.tp, mesh.cp, gpus_per_node, hw)
+    per_op = (mesh.cp - 1) / mesh.cp * whole / bw
+    return (forwards + 1) * (m.n_layers // mesh.pp) * passes * per_op, link
 
 
 def _vision_dp_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> float:
@@ -207,8 +225,12 @@ def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> dict
     counts = local_params(config)
     psi = counts["llm_layers"] + counts["llm_rest"]
     g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
-    bw, link = link_bandwidth(mesh.pp * mesh.tp, mesh.dp, gpus_per_node, hw)
-    ring = 0.0 if mesh.dp <= 1 else (mesh.dp - 1) / mesh.dp * psi / bw  # seconds per byte of each element
+    ways = mesh.dp * mesh.cp  # context parallelism's ranks sum their gradients as dp's do
+    if mesh.cp > 1:  # dp x cp is not one contiguous block of devices: inside a node only if all of it is
+        bw, link = link_bandwidth(mesh.tp, mesh.cp * mesh.pp * mesh.dp if mesh.dp > 1 else mesh.cp, gpus_per_node, hw)
+    else:
+        bw, link = link_bandwidth(mesh.pp * mesh.tp, mesh.dp, gpus_per_node, hw)
+    ring = 0.0 if ways <= 1 else (ways - 1) / ways * psi / bw  # seconds per byte of each element
     per_layer = mesh.pp == 1 and (stage == 2 or config.train.grad_accum == 1)
     if stage < 3:
         reduce = (1 if stage == 2 else 2) * g * ring  # a reduce-scatter, or an all-reduce (twice the bytes)
@@ -265,7 +287,8 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
                             - pipelined_dp_hidden_s(config, comm["dp_grad_reduce_s"], busy_layers_s + bubble_s))
     hbm = traffic.memory_bound_s(config, hw, slot_counts(config))
     compute_s += hbm["memory_s"] + hbm["launch_s"]  # every executed slot's kernels: not scaled by the bubble
-    without_overlap = compute_s + bubble_s + comm["tp_comm_s"] + comm["dp_comm_s"] + comm["pp_comm_s"]
+    without_overlap = (compute_s + bubble_s + comm["tp_comm_s"] + comm["dp_comm_s"] + comm["pp_comm_s"]
+                       + comm["cp_comm_s"])
     comm["pp_exposed_s"] = comm["pp_comm_s"] - min(comm["pp_sends_s"], busy_layers_s + bubble_s)
     without_overlap += comm["vision_dp_s"]
     total = (without_overlap - comm["dp_comm_s"] + comm["dp_exposed_s"] - comm["tp_comm_s"] + comm["tp_exposed_s"]

@@ -36,6 +36,17 @@ def seq_len(config: Config) -> int:
     return vla.sequence_layout(config)[2] if config.model.kind == "vla" else config.train.seq_len
 
 
+def local_seq(config: Config) -> int:
+    """Tokens of a sequence on one device: all of them, or 1/cp with context parallelism."""
+    return seq_len(config) // config.mesh.cp
+
+
+def data_ways(config: Config) -> int:
+    """Devices holding the same LLM weights with other data, over which gradients are summed and ZeRO
+    shards: dp, times cp (context parallelism: other tokens of the same sequences)."""
+    return config.mesh.dp * config.mesh.cp
+
+
 # ----------------------------------------------------------------------------- parameters
 
 
@@ -92,13 +103,14 @@ class Block:
     seq_split: int = 1  # sequence parallelism: the residual stream is split over tp along S
     cudnn: bool = False  # cuDNN flash attention: no [b, h, s, s] tensor in memory (planner/kernels.py)
     gpu: bool = False  # XLA's GPU compiler (fuses the softmax: fewer [b, h, s, s] buffers than XLA:CPU)
+    context: int = 1  # context parallelism: s is this rank's 1/cp of the sequence, its keys all cp s
 
 
 def llm_block(config: Config, target: str = "cpu") -> Block:
     m, tp = config.model, config.mesh.tp
     return Block(m.d_model, m.n_heads // tp * m.head_dim, max(m.n_kv_heads // tp, 1) * m.head_dim, m.d_ff // tp,
                  m.n_heads // tp, True, tp if config.mesh.sequence_parallel else 1, m.attention == "cudnn",
-                 target == "gpu")
+                 target == "gpu", config.mesh.cp)
 
 
 def vit_block(config: Config, target: str = "cpu") -> Block:
@@ -114,7 +126,10 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
     ups = 2 if blk.gated else 1
     layer_input = c * t * blk.d / blk.seq_split  # sequence parallel: residual-stream tensors are S / tp long
     linear = c * t * (2 * blk.q + 2 * blk.kv + 2 * blk.d / blk.seq_split + ups * blk.f)  # q k v attn_out, attn_proj mlp_out, up(s)
-    scores = 0 if blk.cudnn else b * blk.heads * s * s  # cuDNN keeps only fp32 [b, h, s] softmax statistics
+    scores = 0 if blk.cudnn else b * blk.heads * s * s * blk.context  # cuDNN keeps only fp32 [b, h, s] softmax statistics
+    # context parallelism: the other ranks' K and V, kept by the policies that keep everything (the
+    # others save the named local projections and gather again in the backward)
+    gathered = c * t * 2 * blk.kv * (blk.context - 1)
     if policy == "full":
         return layer_input, 0.0
     if policy == "offload":
@@ -122,20 +137,20 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
     if policy == "selective":
         return layer_input + linear, 0.0
     if policy == "dots":  # + the fp32 attention scores matmul output and the MLP hidden
-        return layer_input + linear + 4 * scores + c * t * blk.f, 0.0
+        return layer_input + linear + gathered + 4 * scores + c * t * blk.f, 0.0
     # none: + norm outputs (sequence parallel: the all-gathered ones the projections keep, full length), fp32 RoPE'd q / k, SwiGLU hidden, and per score element 14 bytes: what the
     # XLA:CPU program keeps of XLA attention (three fp32 [b, h, s, s] buffers and a 2-byte remainder,
     # measured in fp32 and bf16 alike; JAX's own residuals are the fp32 and compute-dtype probabilities);
     # the GPU compiler keeps 10 (fitted on its programs: docs/planner.md)
     extra = c * t * (2 * blk.d + 2 * blk.f) + 4 * t * (blk.q + blk.kv) + (10 if blk.gpu else 14) * scores
-    return layer_input + linear + extra, 0.0
+    return layer_input + linear + gathered + extra, 0.0
 
 
 def layer_working_set(policy: str, blk: Block, b: int, s: int, c: int) -> float:
     """Bytes live while one layer runs its backward: recomputed fp32 scores / probabilities (unless
     kept), their fp32 cotangents, and fp32 cotangents of the layer's activations. cuDNN attention
     recomputes its scores block by block inside the kernel: none of them is in memory."""
-    t, scores = b * s, 0 if blk.cudnn else b * blk.heads * s * s
+    t, scores = b * s, 0 if blk.cudnn else b * blk.heads * s * s * blk.context
     recompute = 0 if policy == "none" else (4 + 4 + c) * scores  # scores, probs fp32, probs compute dtype
     cotangents = 8 * scores
     if blk.gpu:  # the GPU compiler fuses the softmax: fp32 scores and compute-dtype probabilities, one fp32 cotangent
@@ -161,7 +176,7 @@ def microbatch(config: Config) -> int:
 
 def _states(config: Config, counts: dict, c: int, target: str) -> dict:
     """Model-state bytes per device (ZeRO table) and where the optimizer state lives."""
-    dp, z, vz = config.mesh.dp, config.zero.stage, config.vision.zero.stage
+    dp, z, vz = data_ways(config), config.zero.stage, config.vision.zero.stage
     dv = vision_data_ways(config) if config.model.kind == "vla" else 1
     llm = counts["llm_layers"] + counts["llm_rest"]
     opt_params = llm / (dp if z >= 1 else 1) + counts["vision"] / (dv if vz >= 1 else 1)
@@ -178,7 +193,7 @@ def _states(config: Config, counts: dict, c: int, target: str) -> dict:
 def _activations(config: Config, c: int, target: str) -> dict:
     """Saved activations (all layers / in-flight microbatches) and the largest working set."""
     m, pp, policy = config.model, config.mesh.pp, config.remat.policy
-    b, s = microbatch(config), seq_len(config)
+    b, s = microbatch(config), local_seq(config)
     blk, layers = llm_block(config, target), m.n_layers // pp
     dev, host = saved_per_layer(policy, blk, b, s, c)
     live_mb, ring = _pipeline_live(config, c * b * s * m.d_model / blk.seq_split, target)
@@ -252,7 +267,7 @@ def _vision_activations(config: Config, c: int, target: str) -> dict:
 def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dict:
     """Gradient bytes while the backward runs, and during the optimizer update."""
     mesh, z = config.mesh, config.zero.stage
-    dp, pp = mesh.dp, mesh.pp
+    dp, pp = data_ways(config), mesh.pp
     llm = counts["llm_layers"] + counts["llm_rest"]
     scatter = dp if z >= 2 and dp > 1 and pp == 1 else 1  # reduce-scattered layer by layer in the backward
     if pp > 1:  # fp32 accumulators over microbatches + one microbatch's stage gradients
@@ -289,7 +304,7 @@ def _mlp_leaf(config: Config) -> int:
 
 def _largest_leaf(config: Config) -> float:
     """Parameters of the largest optimizer-sharded leaf (_mlp_leaf, split over dp by ZeRO 1-3)."""
-    return _mlp_leaf(config) / (config.mesh.dp if config.zero.stage >= 1 else 1)
+    return _mlp_leaf(config) / (data_ways(config) if config.zero.stage >= 1 else 1)
 
 
 def _dp_reduction(config: Config, gradients: float) -> float:
@@ -298,7 +313,7 @@ def _dp_reduction(config: Config, gradients: float) -> float:
     compute-dtype gradients, and grad_reduce's copy of two leaves in flight (the async all-reduce of
     one beside the conversion of the next), the largest leaf counting twice."""
     mesh = config.mesh
-    if mesh.dp == 1 or config.zero.stage >= 2 or (mesh.pp == 1 and config.train.grad_accum == 1):
+    if data_ways(config) == 1 or config.zero.stage >= 2 or (mesh.pp == 1 and config.train.grad_accum == 1):
         return 0.0
     g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
     return gradients + 2 * g * _mlp_leaf(config)
@@ -314,7 +329,7 @@ def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.
     st = _states(config, counts, c, target)
     act = _activations(config, c, target)
     gr = _gradients(config, counts, c, target)
-    dp, z = config.mesh.dp, config.zero.stage
+    dp, z = data_ways(config), config.zero.stage
     llm = counts["llm_layers"] + counts["llm_rest"]
     # XLA:CPU widens the bf16 weights to an f32 copy (4 bytes per parameter held) hoisted out of the
     # layer scan; the bf16 parameters are then dead and their donated buffers (same shapes, same

@@ -89,7 +89,8 @@ def describe(config: Config) -> str:
         f"grad_accum={config.train.grad_accum}"
     off = " +offload.optimizer" if config.offload.optimizer else ""
     sp = " +sequence_parallel" if mesh.sequence_parallel else ""
-    return f"dp={mesh.dp} pp={p} tp={mesh.tp}{sp} zero={config.zero.stage} remat={config.remat.policy}{off} {split}"
+    cp = f" cp={mesh.cp} ({mesh.cp_strategy})" if mesh.cp > 1 else ""
+    return f"dp={mesh.dp} pp={p}{cp} tp={mesh.tp}{sp} zero={config.zero.stage} remat={config.remat.policy}{off} {split}"
 
 
 def rules(result: dict, gpus: int, gpus_per_node: int) -> list[tuple[str, bool, str]]:

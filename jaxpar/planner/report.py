@@ -35,7 +35,8 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
             "executed_flops_parts": time["executed_parts"],
             "step_time": {k: time[k] for k in ("compute_s", "matmul_s", "memory_s", "launch_s", "bubble_s",
                                                "tp_comm_s", "tp_exposed_s", "dp_comm_s", "dp_exposed_s",
-                                               "pp_comm_s", "pp_exposed_s", "step_s", "step_s_no_overlap")},
+                                               "pp_comm_s", "pp_exposed_s", "cp_comm_s", "step_s",
+                                               "step_s_no_overlap")},
             "memory_bound_s": time["memory_parts"],
             "links": time["links"], "bubble_fraction": time["bubble_fraction"], "mfu": time["mfu"],
             "tokens_per_s": time["tokens_per_s"], "config": to_dict(config)}
@@ -43,9 +44,7 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
 
 def gpu_figures(config: Config, gpu_name: str, gpus_per_node: int) -> dict:
     """The planner's step time, MFU and peak for a layout, to sit beside the GPU compiler's in the GPU
-    dry run (jaxpar.compiler.dry_run); None for what it does not model (context parallelism)."""
-    if config.mesh.cp > 1:
-        return None
+    dry run (jaxpar.compiler.dry_run)."""
     hw = hardware.get(gpu_name)
     planned = cost.step_time(config, hw, gpus_per_node)
     peak = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]["peak"]
@@ -72,8 +71,11 @@ def format_plan(report: dict) -> str:
                        ("dp_comm_s", f"dp gradient sync ({report['links']['dp']})"),
                        ("dp_exposed_s", "  of which not overlapped"),
                        ("pp_comm_s", f"pp sends ({report['links']['pp']})"),
-                       ("pp_exposed_s", "  of which not overlapped"), ("step_s", "total (overlap modelled)"),
-                       ("step_s_no_overlap", "total without overlap")):
+                       ("pp_exposed_s", "  of which not overlapped"),
+                       ("cp_comm_s", f"cp K / V traffic ({report['links'].get('cp', 'none')}, not overlapped)"),
+                       ("step_s", "total (overlap modelled)"), ("step_s_no_overlap", "total without overlap")):
+        if key == "cp_comm_s" and "cp" not in report["links"]:
+            continue
         lines.append(f"  {label:<40} {st[key]:9.3f}")
     lines.append(f"MFU {report['mfu']:.1%}, {report['tokens_per_s']:,.0f} tokens/s")
     return "\n".join(lines)

@@ -40,7 +40,7 @@ from __future__ import annotations
 from jaxpar.config import Config
 from jaxpar.planner import kernels
 from jaxpar.compiler.hardware import KERNEL_LAUNCH_S, Hardware
-from jaxpar.planner.memory import llm_block, local_params, microbatch, seq_len
+from jaxpar.planner.memory import llm_block, local_params, local_seq, microbatch
 
 LAYER_D = 10  # c t d bytes of a layer forward's norms and residual adds
 BACKWARD_RATIO = 2.5  # a layer backward's elementwise bytes / its forward's (cotangents, some fp32)
@@ -77,7 +77,7 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
     config = kernels.resolve(config, "gpu", hw.compute_capability)
     m, mesh = config.model, config.mesh
     c = 2 if config.precision == "bf16" else 4
-    b, s = microbatch(config), seq_len(config)
+    b, s = microbatch(config), local_seq(config)
     blk, t = llm_block(config, "gpu"), b * s
     passes = layer_passes(config, slots)
     forward_bytes = c * t * (LAYER_D * blk.d / blk.seq_split + 2 * (blk.q + blk.kv) + 3 * blk.f)
@@ -85,7 +85,7 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
     attention = 0.0
     if not blk.cudnn:
         per_score = SCORE_BYTES_SAVED if config.remat.policy in ("none", "dots") else SCORE_BYTES_RECOMPUTED
-        attention = per_score * b * blk.heads * s * s * passes["backward"]
+        attention = per_score * b * blk.heads * s * s * blk.context * passes["backward"]
     counts = local_params(config)
     params = counts["llm_layers"] + counts["llm_rest"]
     optimizer = OPTIMIZER_BYTES * params / (mesh.dp if config.zero.stage >= 1 else 1)
