@@ -189,6 +189,10 @@ LAYOUTS = {  # in `make test`
     # tp 4 over 2 KV heads: each head's gradient summed over the 2 ranks sharing it ("tpv"), ordered before
     # the input gradient's all-reduce (Collectives.kv_weights); unordered it was a possible XLA:CPU deadlock
     "KV heads shared over tp": lambda: make_config(dp=2, tp=4, stage=1, model=dataclasses.replace(TINY_MODEL, n_kv_heads=2)),
+    # context parallelism: K / V gathered over cp (and their gradients reduce-scattered) beside the tp and
+    # dp x cp collectives, and the ring's sends
+    "cp all_gather, ZeRO-2": lambda: _cp(make_config(dp=2, tp=2, stage=2), cp=2),
+    "cp ring, sequence parallel": lambda: _cp(make_config(dp=1, tp=2, stage=1), cp=4, strategy="ring", sp=True),
 }
 SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     "ZeRO-0": lambda: make_config(dp=2, tp=4, stage=0),
@@ -214,6 +218,10 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     "VLA ZeRO-3": lambda: _vla(mesh=dict(dp=4, pp=1, tp=2), vision=dict(tp=1), pipeline=dict(microbatches=1),
                                zero=dict(stage=3)),
 }
+
+
+def _cp(config, cp: int, strategy: str = "all_gather", sp: bool = False):
+    return replace(config, mesh=replace(config.mesh, cp=cp, cp_strategy=strategy, sequence_parallel=sp))
 
 
 def _train_step_hlo(config) -> str:

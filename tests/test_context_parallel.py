@@ -91,20 +91,21 @@ def test_context_parallel_pipeline_matches_single_device(dp, tp, stage, schedule
     assert_grads_close(grads, ref_grads)
 
 
-def test_the_batch_and_the_keys_are_split_over_cp():
-    """Each device holds 1/cp of every sequence, and the step gathers keys and values over cp: one
-    all-gather pair per layer in the program jaxpar writes (their transposes, reduce-scatters over cp,
-    in the backward)."""
+def test_each_rank_takes_its_tokens_and_gathers_the_keys_over_cp():
+    """Every device receives its dp shard's sequences whole and slices its own tokens (no data moves
+    for the balanced order: no collective-permute), and each layer gathers K and V over cp in one
+    all-gather (its transpose, one reduce-scatter over cp, in the backward), in the program jaxpar writes."""
     config = context_config(1, 4, 2, 0, False, 8)
     builder = builder_for(config)
-    assert builder.batch_spec == P(None, "cp")
+    assert builder.batch_spec == P(None, None)
     lowered = builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch())
     by_axis = {}
     for row in hlo_collectives.collectives(lowered.as_text(dialect="hlo"), builder.mesh):
         by_axis[(row["op"], row["axis"])] = by_axis.get((row["op"], row["axis"]), 0) + row["count"]
     layers = config.model.n_layers
-    assert by_axis[("all-gather", "cp")] == 2 * layers
-    assert by_axis[("reduce-scatter", "cp")] == 2 * layers
+    assert by_axis[("all-gather", "cp")] == layers
+    assert by_axis[("reduce-scatter", "cp")] == layers
+    assert not any(op == "collective-permute" for op, _ in by_axis)
 
 
 @pytest.mark.parametrize("overrides,message", [

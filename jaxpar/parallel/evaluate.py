@@ -55,7 +55,7 @@ class Evaluator:
         llm = {k: v for k, v in params.items() if k not in VISION_KEYS}
         if b.dp_axis and not b.zero.gathers_weights:  # typed as in training (see StepBuilder)
             llm = jax.lax.pcast(llm, b.data_axes, to="varying")
-        text = {k: v for k, v in batch.items() if k != "images"}
+        text = b.context_shard({k: v for k, v in batch.items() if k != "images"})
         if self.mesh.shape["pp"] > 1:  # the forward slots of the training table (its chunk order)
             split, micro, extra = b.pipeline_inputs(llm, text, image_tokens)
             zeros = {k: jnp.zeros(self._sum_shape(k), jnp.float32) for k in self.keys}
@@ -74,8 +74,7 @@ class Evaluator:
         fn = jax.shard_map(self._local_sums, mesh=self.mesh, in_specs=(self.builder.specs.params, self.builder.batch_spec),
                            out_specs={k: P() for k in self.keys})
         replicated = NamedSharding(self.mesh, P())
-        ordered = lambda params, batch: fn(params, self.builder.context_order(batch))  # noqa: E731
-        return jax.jit(ordered, in_shardings=(self.builder.state_shardings().params, self.builder.batch_sharding()),
+        return jax.jit(fn, in_shardings=(self.builder.state_shardings().params, self.builder.batch_sharding()),
                        out_shardings={k: replicated for k in self.keys})
 
 

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config, carries_instruction_bytes, image_tokens
 from jaxpar.errors import ConfigError
-from jaxpar.layers.collectives import Collectives, balanced_order, varying_of
+from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel.optim import lr_schedule, make_optimizer
@@ -127,8 +127,8 @@ class StepBuilder:
         self.context_ways = mesh.shape.get(CP, 1)
         self.zero = ZeroPlan(self.stage, self.data_ways, mesh.shape["pp"] > 1, config.remat.policy,
                              config.zero.prefetch, config.train.grad_accum)
-        # [batch, seq]: batch over dp, the sequence over cp (in context_order)
-        self.batch_spec = P(DP if mesh.shape[DP] > 1 else None, CP if self.context_ways > 1 else None)
+        # [batch, seq]: batch over dp; with cp each device takes its own tokens (context_shard)
+        self.batch_spec = P(DP if mesh.shape[DP] > 1 else None, None)
 
     # ------------------------------------------------------------------ state layout
     def _named(self, specs, memory_kind: str | None = None):
@@ -385,24 +385,26 @@ class StepBuilder:
         """Sum over the data axes (dp, and cp: a loss or count of other tokens)."""
         return jax.lax.psum(x, self.dp_axis) if self.dp_axis else x
 
-    def context_order(self, batch: dict) -> dict:
-        """The batch's [B, S] arrays in context parallelism's balanced token order (each cp rank gets an
-        early and a late chunk: jaxpar.layers.collectives.balanced_order); the identity without cp.
-        Losses and counts are sums over tokens, so the order changes none of them."""
+    def context_shard(self, batch: dict) -> dict:
+        """Inside the shard_map: this cp rank's tokens of each [B, S] array of its dp shard, an early and a
+        late chunk (jaxpar.layers.collectives.balanced_order); the identity without cp. Every device
+        receives its sequences whole (token ids: small) and slices them, so ordering the tokens moves no
+        data between devices; losses and counts are sums over tokens, which no order changes."""
         if self.context_ways == 1:
             return batch
-        order = balanced_order(self.seq_len, self.context_ways)
-        return {k: (v[:, order] if v.ndim >= 2 and v.shape[1] == self.seq_len else v) for k, v in batch.items()}
+        positions = self.collectives().context_positions(self.seq_len // self.context_ways)
+        return {k: (jnp.take(v, positions, axis=1) if v.ndim >= 2 and v.shape[1] == self.seq_len else v)
+                for k, v in batch.items()}
 
     def loss_and_grads(self, params, batch):
         """Global mean token loss, gradients (laid out as ZeRO's gradient specs) and their global L2 norm."""
         def local(params, batch):
-            loss, grads = self._local_loss_and_grads(params, batch)
+            loss, grads = self._local_loss_and_grads(params, self.context_shard(batch))
             return loss, grads, self._global_norm(grads)
 
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs.params, self.batch_spec),
                            out_specs=(P(), self.specs.grads, P()))
-        return fn(params, self.context_order(batch))
+        return fn(params, batch)
 
     def _global_norm(self, grads):
         """The L2 norm of the whole gradient, in fp32, in one all-reduce over the mesh: each device's sum
