@@ -193,8 +193,7 @@ class Collectives:
         shared = tuple(a for a in _as_tuple(self.tp_axis) if a not in varying_of(jax.typeof(wk_DxKxH)))
         if not shared:
             return x_BxSxD, wk_DxKxH, wv_DxKxH
-        if not (self.weight_grads is not None and self.weight_grads.mode == "W"):  # W: no input gradient
-            x_BxSxD, (wk_DxKxH, wv_DxKxH) = backward_ordered(x_BxSxD, (wk_DxKxH, wv_DxKxH))
+        x_BxSxD, (wk_DxKxH, wv_DxKxH) = backward_ordered(x_BxSxD, (wk_DxKxH, wv_DxKxH))
         return x_BxSxD, *(jax.lax.pcast(w, shared, to="varying") for w in (wk_DxKxH, wv_DxKxH))
 
     def tp_max(self, x: jax.Array) -> jax.Array:

@@ -91,7 +91,7 @@ class SplitBackward:
 
     @property
     def deferring(self) -> bool:
-        """Whether a split trace is under way (the W trace orders nothing: it has no input gradient)."""
+        """Whether a split trace is under way (the layer scan is then the split's)."""
         return self.mode is not None
 
     # ----------------------------------------------------------------- the three traces of a chunk
