@@ -93,8 +93,8 @@ def test_context_parallel_pipeline_matches_single_device(dp, tp, stage, schedule
 
 def test_each_rank_takes_its_tokens_and_gathers_the_keys_over_cp():
     """Every device receives its dp shard's sequences whole and slices its own tokens (no data moves
-    for the balanced order: no collective-permute), and each layer gathers K and V over cp in one
-    all-gather (its transpose, one reduce-scatter over cp, in the backward), in the program jaxpar writes."""
+    for the balanced order: no collective-permute), and each layer gathers K and V over cp (their
+    transposes, reduce-scatters over cp, in the backward), in the program jaxpar writes."""
     config = context_config(1, 4, 2, 0, False, 8)
     builder = builder_for(config)
     assert builder.batch_spec == P(None, None)
@@ -103,8 +103,8 @@ def test_each_rank_takes_its_tokens_and_gathers_the_keys_over_cp():
     for row in hlo_collectives.collectives(lowered.as_text(dialect="hlo"), builder.mesh):
         by_axis[(row["op"], row["axis"])] = by_axis.get((row["op"], row["axis"]), 0) + row["count"]
     layers = config.model.n_layers
-    assert by_axis[("all-gather", "cp")] == layers
-    assert by_axis[("reduce-scatter", "cp")] == layers
+    assert by_axis[("all-gather", "cp")] == 2 * layers
+    assert by_axis[("reduce-scatter", "cp")] == 2 * layers
     assert not any(op == "collective-permute" for op, _ in by_axis)
 
 

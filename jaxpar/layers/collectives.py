@@ -106,13 +106,13 @@ class Collectives:
 
     def gather_context(self, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array):
         """(keys, values, their positions) of the whole sequence: all-gathered over the context axis
-        (in balanced_order; the backward reduce-scatters their gradients), K and V in one collective
-        (two independent ones could start in either order on XLA:CPU: jaxpar.layers.order)."""
+        (in balanced_order; the backward reduce-scatters their gradients), V's after K's both ways (two
+        independent collectives could start in either order on XLA:CPU: jaxpar.layers.order; one
+        gather of K and V concatenated costs a GPU program copies of both)."""
         ways = jax.lax.axis_size(self.context_axis)
-        kv = jax.lax.all_gather(jnp.concatenate([k_BxSxKxH, v_BxSxKxH], axis=-1), self.context_axis, axis=1,
-                                tiled=True)
-        k_all, v_all = jnp.split(kv, 2, axis=-1)
-        return k_all, v_all, jnp.asarray(balanced_order(kv.shape[1], ways))
+        gather = lambda a: jax.lax.all_gather(a, self.context_axis, axis=1, tiled=True)  # noqa: E731
+        k_all, v_all = chain_both_ways(gather, (k_BxSxKxH, v_BxSxKxH))
+        return k_all, v_all, jnp.asarray(balanced_order(k_all.shape[1], ways))
 
     def linear(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
         """A weight matmul, einsum(equation, x, w). The model calls it for every linear so that a zb
