@@ -109,12 +109,13 @@ def vision_rules(vision_tp: int, mesh) -> Rules:
     its inner part "tpv", or none), ZeRO over every mesh axis that splits the images. (The tp axis may
     be split for the vision tp or for the LLM's KV heads, kv_head_ways.)"""
     tp_axes = (("tp", TP_INNER) if TP_INNER in mesh.shape else ("tp",))
+    outer = ("dp", "pp") + ((CP,) if CP in mesh.shape else ())  # cp's ranks encode other images too
     if vision_tp <= 1:
-        tp, data = None, ("dp", "pp") + tp_axes
+        tp, data = None, outer + tp_axes
     elif TP_INNER in mesh.shape and vision_tp == mesh.shape[TP_INNER]:
-        tp, data = TP_INNER, ("dp", "pp", "tp")
+        tp, data = TP_INNER, outer + ("tp",)
     else:
-        tp, data = tensor_axes(mesh), ("dp", "pp")
+        tp, data = tensor_axes(mesh), outer
     table = {"vit_embed": None, "vit_heads": tp, "vit_mlp": tp, "vit_layers": None, "patch": None,
              "patches": None, "proj_mlp": None, "head_dim": None, "embed": None, "bytes": None,
              "film_out": None}

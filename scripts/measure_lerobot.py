@@ -2,12 +2,21 @@
 
     python scripts/measure_lerobot.py                      # builds a v3.0 dataset with 2 AV1 cameras
     python scripts/measure_lerobot.py --dataset DIR        # or measures an existing LeRobot dataset
+    python scripts/measure_lerobot.py --episodes 50 --size 64 --image-size 16 --train-steps 120
+                                                           # + vla_tiny trained on it: data_wait_s / step_time_s
 
-Rows: grain.MapDataset.source(src).shuffle(seed=0) iterated in this process; the same through
-to_iter_dataset with 2 reader threads (as jaxpar.data.pipeline reads); and with
-mp_prefetch(num_workers=N) worker processes. Every row starts from a fresh source (an empty decode
-cache), so it includes the decoding of every segment the epoch needs: with the default whole-episode
-segments and a cache that holds the decoded epoch, each episode's video is decoded once per process.
+Rows: grain.MapDataset.source(src).shuffle(seed=0) iterated in this process (records, no batching);
+then the trainer's own reader (jaxpar.data.pipeline.GrainData: shuffled, batched by
+--batch, uint8 batches placed on a device) at each of --worker-counts (data.workers: 0 = reader
+threads in this process; N = N grain worker processes, which decode). Every row starts from a fresh
+source (an empty decode cache), so it includes the decoding of every segment the epoch needs: with
+the default whole-episode segments and a cache that holds the decoded epoch, each episode's video is
+decoded once per reading process (each worker has its own cache).
+
+--train-steps N also trains configs/vla_tiny.py (2 cameras, the dataset as data.train, no evaluation)
+for N steps at each worker count and reports the mean data_wait_s (the time the step loop waited for
+its batch, jaxpar.training.loop) against step_time_s from its metrics.jsonl, leaving out the first
+logged record (start-up). Needs --image-size 16 (vla_tiny's).
 
 The built dataset follows lerobot's v3.0 layout (see jaxpar/data/lerobot.py) with each camera's
 episodes encoded as one continuous AV1 stream (lerobot concatenates per-episode files into the
@@ -18,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -115,6 +127,63 @@ def measure(name: str, make_source, read) -> dict:
             "decodes": source.decodes if "worker" not in name else "-"}
 
 
+def trainer_config(root: pathlib.Path, image_size: int, workers: int, batch: int, cache_mb: int, prefetch: int,
+                   extra: tuple[str, ...] = ()):
+    from jaxpar.interop.pretrained import load_run_config
+
+    return load_run_config("vla_tiny", [f"data.train={root}", "data.eval=", "data.generate=false",
+                                        "vision.cameras=2", f"vision.image_size={image_size}",
+                                        f"train.global_batch_size={batch}", f"data.workers={workers}",
+                                        f"data.frame_cache_mb={cache_mb}", f"data.prefetch={prefetch}",
+                                        "eval.rollouts=0", *extra])
+
+
+def measure_trainer(root: pathlib.Path, args, workers: int) -> dict:
+    """One epoch of the trainer's batches (GrainData.next_batch: uint8 arrays on a device)."""
+    import jax
+
+    from jaxpar.data.pipeline import GrainData
+
+    config = trainer_config(root, args.image_size, workers, args.batch, args.cache_mb, args.prefetch,
+                            ("mesh.dp=1", "mesh.pp=1", "mesh.tp=1", "pipeline.microbatches=1"))
+    data = GrainData(config, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    batches = len(data.source) // args.batch
+    start, first = time.perf_counter(), None
+    for _ in range(batches):
+        batch = data.next_batch()
+        jax.block_until_ready(batch)
+        first = first or time.perf_counter()
+    end = time.perf_counter()
+    assert batch["images"].dtype == np.uint8
+    count = batches * args.batch
+    return {"mode": f"trainer, data.workers={workers}", "frames": count, "seconds": end - start,
+            "fps": count / (end - start), "first": first - start,
+            "steady": (count - args.batch) / max(end - first, 1e-9),
+            "decodes": data.source.decodes if not workers else "-"}
+
+
+def measure_training(root: pathlib.Path, args, workers: int) -> dict:
+    """vla_tiny (its 8-device layout) on the dataset for --train-steps: mean data_wait_s / step_time_s."""
+    with tempfile.TemporaryDirectory() as workdir:
+        overrides = [f"data.train={root}", "data.eval=", "data.generate=false", "vision.cameras=2",
+                     f"train.steps={args.train_steps}", f"data.workers={workers}", "eval.rollouts=0",
+                     f"data.frame_cache_mb={args.cache_mb}", f"data.prefetch={args.prefetch}", "checkpoint.every=0",
+                     "train.log_every=10", "compile.cache_dir="]
+        command = [sys.executable, "-m", "jaxpar.train", "--config", "vla_tiny.py", "--workdir", workdir,
+                   *(f"--config.{o}" for o in overrides)]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+        if done.returncode:
+            raise SystemExit(f"training with data.workers={workers} failed:\n{done.stderr[-4000:]}")
+        records = [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "data_wait_s" in r][1:]  # the first record holds start-up
+    wait = float(np.mean([r["data_wait_s"] for r in steps]))
+    step_time = float(np.mean([r["step_time_s"] for r in steps]))
+    return {"workers": workers, "steps": args.train_steps, "data_wait_s": wait, "step_time_s": step_time,
+            "fraction": wait / step_time, "frames_per_s_needed": 32 / step_time,
+            "seconds": time.perf_counter() - start}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", help="an existing LeRobot dataset (default: build one in a temp dir)")
@@ -122,16 +191,22 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=40, help="frames per built episode")
     parser.add_argument("--size", type=int, default=256, help="stored frame size of the built dataset")
     parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--worker-counts", default="0,1,2", help="data.workers values to measure")
+    parser.add_argument("--batch", type=int, default=32, help="the trainer reader's batch (vla_tiny's 32)")
+    parser.add_argument("--prefetch", type=int, default=4, help="data.prefetch")
     parser.add_argument("--segment-frames", type=int, default=None)
-    parser.add_argument("--cache-mb", type=int, default=256)
+    parser.add_argument("--cache-mb", type=int, default=256, help="data.frame_cache_mb")
+    parser.add_argument("--train-steps", type=int, default=0, help="also train vla_tiny this many steps per count")
+    parser.add_argument("--keep", help="build the dataset here (and keep it) instead of a temp dir")
     args = parser.parse_args()
+    counts = [int(w) for w in args.worker_counts.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
         if args.dataset:
             root = pathlib.Path(args.dataset)
         else:
             start = time.perf_counter()
-            root = build(pathlib.Path(scratch) / "dataset", args.episodes, args.frames, args.size)
+            root = pathlib.Path(args.keep or pathlib.Path(scratch) / "dataset")
+            root = build(root, args.episodes, args.frames, args.size)
             print(f"built {root}: {args.episodes} episodes x {args.frames} frames, 2 AV1 cameras {args.size}px "
                   f"({time.perf_counter() - start:.1f}s)")
 
@@ -143,16 +218,23 @@ def main() -> None:
         print(f"{len(probe)} frames, cameras {probe.camera_keys}, image_size {args.image_size}, segments "
               f"{args.segment_frames or 'whole episodes'}, cache {args.cache_mb} MB")
         mark_absl_flags_parsed()
-        rows = [measure("in-process", make_source, lambda ds: ds),
-                measure("in-process, 2 threads", make_source,
-                        lambda ds: ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))),
-                measure(f"{args.workers} worker processes", make_source, lambda ds: ds.to_iter_dataset().mp_prefetch(
-                    grain.MultiprocessingOptions(num_workers=args.workers)))]
-    print(f"{'mode':<24} {'frames':>7} {'seconds':>8} {'frames/s':>9} {'1st frame s':>12} {'after 1st/s':>12} "
-          f"{'decodes':>8}")
-    for row in rows:
-        print(f"{row['mode']:<24} {row['frames']:>7} {row['seconds']:>8.2f} {row['fps']:>9.1f} {row['first']:>12.2f} "
-              f"{row['steady']:>12.1f} {row['decodes']:>8}")
+        rows = [measure("records, in-process", make_source, lambda ds: ds)]
+        rows += [measure_trainer(root, args, workers) for workers in counts]
+        print(f"{'mode':<26} {'frames':>7} {'seconds':>8} {'frames/s':>9} {'1st item s':>11} {'after 1st/s':>12} "
+              f"{'decodes':>8}")
+        for row in rows:
+            print(f"{row['mode']:<26} {row['frames']:>7} {row['seconds']:>8.2f} {row['fps']:>9.1f} "
+                  f"{row['first']:>11.2f} {row['steady']:>12.1f} {row['decodes']:>8}", flush=True)
+        if args.train_steps:
+            if args.segment_frames:
+                raise SystemExit("--train-steps trains with whole-episode segments; drop --segment-frames")
+            print(f"\nvla_tiny (dp 2 x pp 2 x tp 2, batch 32, 2 cameras at {args.image_size} px), "
+                  f"{args.train_steps} steps, mean over logged steps after the first:")
+            print(f"{'data.workers':>12} {'data_wait_s':>12} {'step_time_s':>12} {'wait/step':>10} {'frames/s used':>14}")
+            for workers in counts:
+                r = measure_training(root, args, workers)
+                print(f"{workers:>12} {r['data_wait_s']:>12.4f} {r['step_time_s']:>12.3f} {r['fraction']:>10.1%} "
+                      f"{r['frames_per_s_needed']:>14.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,9 @@ LAYOUTS = {  # in `make test`
     # dp x cp collectives, and the ring's sends
     "cp all_gather, ZeRO-2": lambda: _cp(make_config(dp=2, tp=2, stage=2), cp=2),
     "cp ring, sequence parallel": lambda: _cp(make_config(dp=1, tp=2, stage=1), cp=4, strategy="ring", sp=True),
+    # the VLA under cp: the encoder's images split over cp too, the image cotangent summed over cp
+    "VLA cp, ZeRO-1": lambda: _vla(mesh=dict(dp=2, pp=1, tp=2, cp=2), vision=dict(tp=2), pipeline=dict(microbatches=1),
+                                   zero=dict(stage=1), actions=dict(instruction_len=34)),
 }
 SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     "ZeRO-0": lambda: make_config(dp=2, tp=4, stage=0),
@@ -217,6 +220,8 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
                                zero=dict(stage=2)),
     "VLA ZeRO-3": lambda: _vla(mesh=dict(dp=4, pp=1, tp=2), vision=dict(tp=1), pipeline=dict(microbatches=1),
                                zero=dict(stage=3)),
+    "VLA cp ring 1f1b": lambda: _vla(mesh=dict(dp=1, pp=2, tp=2, cp=2, cp_strategy="ring"), vision=dict(tp=1),
+                                     pipeline=dict(schedule="1f1b"), zero=dict(stage=1), actions=dict(instruction_len=34)),
 }
 
 

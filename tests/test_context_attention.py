@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxpar.layers.attention import core_attention, prefix_lm_mask, rope
-from jaxpar.layers.blockwise import block_attention, merge_blocks, positions_mask
+from jaxpar.layers.blockwise import block_attention, block_attention_grads, merge_blocks, positions_mask
 from jaxpar.layers.collectives import balanced_order
 
 
@@ -66,3 +66,34 @@ def test_blocks_merged_by_log_sum_exp_are_the_whole_attention(kv_heads):
             o, l = block_attention(q[:, mine], k[:, theirs], v[:, theirs], positions_mask(mine, theirs))
             out, lse = (o, l) if out is None else merge_blocks(out, lse, o, l)
         np.testing.assert_allclose(out, whole[:, mine], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads,prefix_len", [(4, 0), (2, 11)])
+def test_block_gradients_with_the_merged_statistics_are_the_whole_attentions(kv_heads, prefix_len):
+    """The ring's backward (jaxpar.layers.ring): each block's (dq, dk, dv) computed from the merged
+    output and log-sum-exp, summed over the blocks, is the gradient of the whole attention, with no
+    gradient of the statistics (what lets cuDNN's backward run per block)."""
+    batch, seq, heads, head_dim, ways = 2, 32, 4, 8, 4
+    q = jax.random.normal(jax.random.key(0), (batch, seq, heads, head_dim))
+    k, v = (jax.random.normal(jax.random.key(i), (batch, seq, kv_heads, head_dim)) for i in (1, 2))
+    d_out = jax.random.normal(jax.random.key(3), q.shape)
+    mask = prefix_lm_mask(seq, prefix_len)  # (causal at 0)
+    _, vjp = jax.vjp(lambda q, k, v: core_attention(q, k, v, "xla", mask=mask), q, k, v)
+    expected = vjp(d_out)
+    order, local = balanced_order(seq, ways), seq // ways
+    blocks = [order[r * local:(r + 1) * local] for r in range(ways)]
+    grads = [np.zeros(x.shape, np.float32) for x in (q, k, v)]
+    for rank in range(ways):
+        mine, out, lse = blocks[rank], None, None
+        for step in range(ways):
+            theirs = blocks[(rank - step) % ways]
+            o, l = block_attention(q[:, mine], k[:, theirs], v[:, theirs], positions_mask(mine, theirs, prefix_len))
+            out, lse = (o, l) if out is None else merge_blocks(out, lse, o, l)
+        for theirs in blocks:
+            dq, dk, dv = block_attention_grads(q[:, mine], k[:, theirs], v[:, theirs],
+                                               positions_mask(mine, theirs, prefix_len), out, lse, d_out[:, mine])
+            grads[0][:, mine] += dq
+            grads[1][:, theirs] += dk
+            grads[2][:, theirs] += dv
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -207,6 +207,7 @@ def test_llama7b_tp8_zero1():
     assert pd["temp"] > 0 and pd["peak"] > pd["params"] + pd["opt_state"]
 
 
+@pytest.mark.slow  # make test's 15-minute budget (test_state_bytes_match_zero_table_bf16 keeps ZeRO-3's table)
 def test_llama7b_dp8_zero3():
     rep = llama7b(8, 1, 3)
     pd = rep["per_device_bytes"]

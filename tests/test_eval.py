@@ -104,6 +104,9 @@ def vla_batch(config, tmp_path):
 VLA_LAYOUTS = {
     "dp2_pp2_tp2_1f1b": dict(mesh=dict(dp=2, pp=2, tp=2), pipeline=dict(microbatches=2)),
     "dp2_tp4_no_pipeline": dict(mesh=dict(dp=2, pp=1, tp=4), pipeline=dict(microbatches=1)),
+    # context parallelism: each cp rank's action tokens by their sequence positions (56 tokens, 2 x 2 chunks)
+    "dp2_cp2_tp2_context_parallel": dict(mesh=dict(dp=2, pp=1, tp=2, cp=2), pipeline=dict(microbatches=1),
+                                         actions=dict(instruction_len=34)),
 }
 SLOW_VLA_LAYOUTS = {"dp2_tp4_no_pipeline"}  # `make test` keeps the pipelined one; CI runs both
 
@@ -114,7 +117,8 @@ def test_vla_eval_on_any_layout_equals_the_single_device_model(layout, tmp_path)
     config = with_values(VLA_BASE, **layout)
     batch, actions = vla_batch(config, tmp_path)
     _, sums = eval_sums(config, batch)
-    single = with_values(VLA_BASE, mesh=dict(dp=1, pp=1, tp=1), pipeline=dict(microbatches=1))
+    single = with_values(VLA_BASE, mesh=dict(dp=1, pp=1, tp=1), pipeline=dict(microbatches=1),
+                         actions=layout.get("actions", {}))
     params = jax.device_get(builder_for(single).init_state(0).params)
     expected = reference_vla_sums(single, params, batch, actions)
     for key in ("tokens", "correct", "action_tokens", "action_correct"):

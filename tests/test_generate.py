@@ -156,7 +156,7 @@ def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
     assert len(ids) == config.actions.dims and len(out["action"]) == config.actions.dims
 
     _, _, params = restore_weights(run_dir)
-    image = episode["images"][1][None].astype(np.float32) / 255.0
+    image = episode["images"][1][None]  # uint8, as generate and training feed it
     text = utf8_bytes(episode["instruction"], config.actions.instruction_len, "test")[None].astype(np.int32)
     batch = vla.make_batch(config, image, text, np.asarray([out["action"]], np.float32))
     coll = Collectives()
@@ -170,3 +170,14 @@ def test_vla_episode_action_equals_the_teacher_forced_argmax(tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(tokens)[0], ids)
     expected = logits[at, first_action:]
     np.testing.assert_allclose(np.asarray(scores)[0], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("cp,tp", [(2, 2), pytest.param(4, 1, marks=pytest.mark.slow)])
+def test_prefill_split_over_cp_gives_transformers_greedy_ids(hf_dirs, cp, tp):
+    """--cp: the 5-token prompt padded to 2 cp chunks, each rank prefilling its balanced chunks against
+    the whole prompt's K / V; the last prompt token's logits come from the rank that holds it."""
+    directory, model = hf_dirs["gqa"]
+    args = gen.parse_args(["--from_hf", str(directory), "--prompt_ids", "1", "--tp", str(tp), "--cp", str(cp)])
+    config, weights, mesh, _, _ = gen.load(args)
+    assert dict(mesh.shape)["cp"] == cp
+    assert gen.generate(config, weights, mesh, PROMPT, NEW) == hf_greedy(model)

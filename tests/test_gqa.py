@@ -15,13 +15,14 @@ from jaxpar.config import PipelineConfig
 from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
 
 BATCH = 16
-# (n_kv_heads, (dp, pp, tp), ZeRO stage, sequence parallel); 8 query heads. Two are `slow`: `make test`
-# keeps a split, the replicated ones with ZeRO-3 and with SP, and a pipeline.
+# (n_kv_heads, (dp, pp, tp), ZeRO stage, sequence parallel); 8 query heads. Three are `slow`: `make test`
+# keeps a split, the replicated one with ZeRO-3, and a pipeline (tests/test_context_parallel.py has GQA
+# with sequence parallelism).
 CASES = [
     (2, (4, 1, 2), 1, False),  # KV heads split over tp (one per rank)
     pytest.param(1, (4, 1, 2), 2, False, marks=pytest.mark.slow),  # replicated: 2 ranks share the one KV head
     (2, (2, 1, 4), 3, False),  # replicated: 2 ranks per KV head, ZeRO-3 gathers
-    (1, (2, 1, 4), 1, True),  # replicated, with sequence parallelism
+    pytest.param(1, (2, 1, 4), 1, True, marks=pytest.mark.slow),  # replicated, with sequence parallelism
     pytest.param(2, (2, 2, 2), 1, False, marks=pytest.mark.slow),  # pipeline, split
     (1, (1, 2, 4), 0, False),  # pipeline, replicated
 ]

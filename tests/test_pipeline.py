@@ -104,7 +104,7 @@ def dp_config(schedule, virtual, stage):
     return dataclasses.replace(config, zero=dataclasses.replace(config.zero, stage=stage))
 
 
-@pytest.mark.parametrize("schedule,virtual,stage", [("1f1b", 2, 2), ("zb", 1, 1)])
+@pytest.mark.parametrize("schedule,virtual,stage", [("1f1b", 2, 2), pytest.param("zb", 1, 1, marks=pytest.mark.slow)])
 def test_early_dp_reductions_match_single_device(schedule, virtual, stage):
     """Each part is reduced over dp once its gradient is final: the head after the last loss slot,
     each interleaved chunk after stage 0's last backward of it (ZeRO-2: reduce-scattered chunk by

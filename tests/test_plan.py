@@ -125,6 +125,54 @@ def test_seed_16_gpu_70b_vla_question_has_a_definite_answer():
     assert memory.estimate(seed)["per_device_bytes"]["peak"] < hw.usable_bytes
 
 
+LONG_SEQUENCE = 786_432  # llama7b tokens per sequence where no cp = 1 layout of 8 A100-80GB fits (tp=8 + sp: ~83 GB)
+
+
+def test_recommender_picks_context_parallelism_where_nothing_else_fits():
+    """At a long sequence every cp = 1 layout of 8 GPUs is over the memory (even tp=8 with sequence
+    parallelism, full remat and the optimizer offloaded); the recommender ranks a cp > 1 layout first,
+    it fits, and cp x tp stays inside the node."""
+    config = load_config("llama7b.py", [f"train.seq_len={LONG_SEQUENCE}"])
+    hw = hardware.get("a100-80gb")
+    layouts = list(recommend.candidates(config, 8, 8))
+    assert not any(recommend.evaluate(c, hw, 8)["fits"] for c in layouts if c.mesh.cp == 1)
+    best = recommend.recommend(config, 8, 8, hw)["ranked"][0]
+    assert best["config"].mesh.cp > 1 and best["peak"] <= hw.usable_bytes
+    assert best["config"].mesh.cp * best["config"].mesh.tp <= 8
+    assert " cp=" in recommend.describe(best["config"])
+
+
+@pytest.mark.parametrize("gpus", [8, 64])
+def test_recommender_leaves_context_parallelism_out_at_short_sequences(gpus):
+    """At llama7b's 4,096 tokens cp layouts are searched and some fit, but they only add K / V traffic
+    to what dp, tp and microbatches already split: the first layout has cp = 1."""
+    config = load_config("llama7b.py")
+    hw = hardware.get("a100-80gb")
+    result = recommend.recommend(config, gpus, 8, hw, top=50)
+    assert result["ranked"][0]["config"].mesh.cp == 1
+    # ... though cp was in the search, and a cp layout fits, only slower
+    context = [r for r in result["ranked"] if r["config"].mesh.cp > 1]
+    assert context and all(r["tokens_per_s"] < result["ranked"][0]["tokens_per_s"] for r in context)
+
+
+def test_recommender_cp_search_is_pruned_as_its_docstring_says():
+    """cp x tp inside a node, one microbatch size per cp mesh (the smallest), all_gather only: the planner
+    prices ring as all_gather (if this tie breaks, add "ring" to recommend.CP_STRATEGIES)."""
+    config = load_config("llama7b.py", ["train.seq_len=32768"])
+    layouts = list(recommend.candidates(config, 64, 8))
+    context = [c for c in layouts if c.mesh.cp > 1]
+    assert {c.mesh.cp for c in context} == {2, 4, 8}
+    assert all(c.mesh.cp * c.mesh.tp <= 8 and c.mesh.cp_strategy == "all_gather" for c in context)
+    for c in context:  # a microbatch of one sequence: m = the dp shard's sequences (up to 8 without pp)
+        per_dp = config.train.global_batch_size // c.mesh.dp
+        assert (c.pipeline.microbatches if c.mesh.pp > 1 else c.train.grad_accum) == min(per_dp, 8)
+    hw = hardware.get("a100-80gb")
+    for c in context[::40]:
+        ring = dataclasses.replace(c, mesh=dataclasses.replace(c.mesh, cp_strategy="ring"))
+        validate(ring)
+        a, b = recommend.evaluate(c, hw, 8), recommend.evaluate(ring, hw, 8)
+        assert (a["peak"], a["tokens_per_s"]) == (b["peak"], b["tokens_per_s"])
+
 def test_inter_node_links_of_the_64_gpu_vla():
     t = cost.step_time(load_config("vla70b.py", VLA70B_SEED_LAYOUT), hardware.get("a100-80gb"), 8)
     assert t["links"] == {"tp": "NVLink", "dp": "inter-node", "pp": "inter-node"}
@@ -259,7 +307,7 @@ def test_planned_flops_match_the_compiled_step_without_pipeline(layout):
 
 
 PIPELINES = [dict(dp=1, pp=4, tp=1, remat="none", m=8), dict(dp=2, pp=2, tp=2, stage=1, remat="selective", m=4),
-             dict(dp=2, pp=2, tp=2, remat="none", m=4, vla=True),
+             pytest.param(dict(dp=2, pp=2, tp=2, remat="none", m=4, vla=True), marks=pytest.mark.slow),
              dict(dp=1, pp=2, tp=1, remat="full", m=4, virtual=2), dict(dp=1, pp=4, tp=1, remat="none", m=4, schedule="zb")]
 
 

@@ -12,6 +12,7 @@ from jax._src import core
 from jax._src.ad_checkpoint import saved_residuals
 
 from jaxpar.layers import attention as attention_layer
+from jaxpar.layers import cudnn as cudnn_layer
 from jaxpar.layers.collectives import Collectives
 from jaxpar.parallel import remat
 
@@ -21,7 +22,7 @@ B, S, D, N, K, H = 2, 16, 64, 4, 2, 16  # GQA: 4 query heads over 2 KV heads
 @pytest.fixture(autouse=True)
 def cudnn_traces(monkeypatch):
     """Tracing needs only the version jax's checks compare against (cuDNN 9.8); nothing is lowered."""
-    monkeypatch.setattr(attention_layer._fmha, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(cudnn_layer._fmha, "check_cudnn_version", lambda: 90800)
 
 
 def qkv():

@@ -222,7 +222,8 @@ def test_the_model_policy_is_predict_actions_then_bin_centres(tiny_vla):
     actions = policy(images, env.instructions)
     predict = jax.jit(decode.predict_actions, static_argnums=3)  # (compiled once: the policy's executable)
     ids = np.stack([utf8_bytes(text, config.actions.instruction_len, "test") for text in env.instructions])
-    tokens, _ = predict(weights, images.astype(np.float32) / 255.0, ids.astype(np.int32), config)
+    assert images.dtype == np.uint8  # what the policy sends: the encoder scales it
+    tokens, _ = predict(weights, images, ids.astype(np.int32), config)
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
     np.testing.assert_array_equal(actions, tokenizer.from_bins(tokenizer.tokens_to_bins(np.asarray(tokens))))
     assert len(np.unique(actions[:, 0])) > 1  # the batch's rows are each their own scene's

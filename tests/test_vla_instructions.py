@@ -128,7 +128,7 @@ def test_film_reads_the_bytes_and_the_llm_the_ids(pretrained):
     config = vla_config(pretrained[0])
     params = vit.init(config.vision, config.model.d_model, jax.random.key(0))
     rng = np.random.default_rng(0)
-    images = rng.random((2, 1, config.vision.image_size, config.vision.image_size, 3), np.float32)
+    images = rng.integers(0, 256, (2, 1, config.vision.image_size, config.vision.image_size, 3), np.uint8)
     first_action = config.model.vocab_size - config.actions.bins
     ids = np.full((2, LENGTH), first_action + 3, np.int32)  # text ids inside the action range
     raw = rng.integers(1, 256, (2, LENGTH))
@@ -159,7 +159,7 @@ def test_a_layout_with_tokenizer_ids_and_film_bytes_equals_one_device(pretrained
     encoder = InstructionEncoder.for_config(single)
     ids, film = encoder.encode_batch(texts, "")
     rng = np.random.default_rng(1)
-    images = rng.random((8, 1, single.vision.image_size, single.vision.image_size, 3), np.float32)
+    images = rng.integers(0, 256, (8, 1, single.vision.image_size, single.vision.image_size, 3), np.uint8)
     host = vla.make_batch(single, images, ids, rng.uniform(-1, 1, (8, single.actions.dims)), film)
     losses = []
     for config in (single, parallel):

@@ -131,18 +131,19 @@ def _validate_layout(config: Config) -> None:
 
 
 def _validate_context_parallel(config: Config) -> None:
-    """Context parallelism splits the sequence over cp in 2 cp chunks (balanced causal work). Built so
-    far: the Llama, K / V gathered over cp (docs/design.md, "Context parallelism")."""
+    """Context parallelism splits the sequence over cp in 2 cp chunks (balanced causal work), for
+    the Llama and the VLA's LLM (docs/design.md, "Context parallelism")."""
     mesh = config.mesh
     _require(mesh.cp >= 1, f"mesh.cp={mesh.cp} must be >= 1")
     _require(mesh.cp_strategy in ("all_gather", "ring"),
              f"mesh.cp_strategy='{mesh.cp_strategy}' is unknown; use all_gather or ring")
     if mesh.cp == 1:
         return
-    _require(config.model.kind == "llama", "mesh.cp > 1 runs the Llama only so far (not the VLA); set mesh.cp=1")
-    seq = config.train.seq_len
+    seq, name = config.train.seq_len, "train.seq_len"
+    if config.model.kind == "vla":
+        seq, name = vla_sequence_layout(config)[2], "VLA sequence (image + instruction + action tokens)"
     _require(seq % (2 * mesh.cp * (mesh.tp if mesh.sequence_parallel else 1)) == 0,
-             f"mesh.cp={mesh.cp} cuts train.seq_len={seq} into 2 x cp chunks"
+             f"mesh.cp={mesh.cp} cuts the {name}={seq} into 2 x cp chunks"
              f"{' each split over tp' if mesh.sequence_parallel else ''}, which do not divide it; make it a "
              f"multiple of {2 * mesh.cp * (mesh.tp if mesh.sequence_parallel else 1)}")
 
@@ -199,7 +200,7 @@ def _validate_vla(config: Config) -> None:
     per_dp = config.train.global_batch_size // mesh.dp
     _require(per_dp % (data_ways // mesh.dp) == 0,
              f"train.global_batch_size={config.train.global_batch_size}: the vision encoder splits each dp "
-             f"shard's {per_dp} examples over {data_ways // mesh.dp} devices (mesh.pp x mesh.tp / vision.tp); "
+             f"shard's {per_dp} examples over {data_ways // mesh.dp} devices (mesh.pp{' x mesh.cp' if mesh.cp > 1 else ''} x mesh.tp / vision.tp); "
              f"use a global batch divisible by {data_ways}")
     if vis.zero.stage >= 1:
         _require(vis.width % data_ways == 0 and model.d_model % data_ways == 0,

@@ -235,7 +235,9 @@ class DataConfig:
     eval: str = ""  # held-out directory of the same kind; "" = no evaluation
     generate: bool = False  # make the demo data (llama: Python's stdlib sources; vla: the procedural task) if absent
     demo_format: str = "npz"  # vla: what data.generate writes: npz (jaxpar's episodes) or lerobot (a v3.0 dataset)
-    workers: int = 0  # grain worker processes per JAX process (0: read in the training process)
+    workers: int = 0  # grain worker processes per JAX process (0: read in the training process); they decode
+    prefetch: int = 4  # batches read ahead of the step: per worker (workers > 0) or by the in-process reader threads
+    frame_cache_mb: int = 256  # LeRobot: decoded frames kept per reading process (each worker has its own), MiB
     cameras: tuple[str, ...] = ()  # LeRobot: the camera keys the model sees, in order; () = all, in info.json order
     eval_episodes: int = 0  # LeRobot without data.eval: hold out this many episodes of data.train (by seed)
 

@@ -59,7 +59,7 @@ from jaxpar.data.video import FIX, FrameCache, decode_video, resize
 from jaxpar.errors import ConfigError
 
 VERSIONS = ("v2.0", "v2.1", "v3.0")
-CACHE_BYTES = 256 << 20  # decoded frames kept per source (per grain worker)
+CACHE_BYTES = 256 << 20  # decoded frames kept per source (per grain worker); the trainer's is data.frame_cache_mb
 CAMERA_DTYPES = ("video", "image")
 
 

@@ -28,6 +28,7 @@ from jaxpar.data.text import TokenSource
 from jaxpar.errors import ConfigError
 
 SHUFFLE_SALT = 104_729  # the data order's seed is train.seed + this, so it differs from the init seed
+READ_THREADS = 2  # reader threads per reading process
 
 
 def process_shard(sharding, global_batch: int) -> tuple[int, int]:
@@ -57,13 +58,12 @@ def text_batch(windows_BxL: np.ndarray) -> dict:
 
 
 def episode_batch(config: Config, records: dict, with_values: bool = False) -> dict:
-    """Stacked episode steps -> the VLA batch (uint8 images scaled to [0, 1]; the encoder normalises
-    them with vision.image_mean / image_std, jaxpar.models.vit.normalise); `with_values` adds the
-    continuous actions at the action targets for the L1 metric."""
+    """Stacked episode steps -> the VLA batch (images stay uint8: the encoder scales them to [0, 1] and
+    normalises them with vision.image_mean / image_std on the device, jaxpar.models.vit.normalise);
+    `with_values` adds the continuous actions at the action targets for the L1 metric."""
     from jaxpar.models import vla
 
-    images = records["images"].astype(np.float32) / 255.0
-    batch = vla.make_batch(config, images, records["instruction"].astype(np.int32), records["actions"],
+    batch = vla.make_batch(config, records["images"], records["instruction"].astype(np.int32), records["actions"],
                            records.get("instruction_bytes"))
     if with_values:
         batch["values"] = vla.action_values(config, records["actions"])
@@ -74,13 +74,15 @@ def make_source(config: Config, directory: str, split: str = "train"):
     """The grain source for `directory`, checked against the model it feeds. A LeRobot dataset is
     recognised by its meta/info.json; with data.eval_episodes its episodes are split into train and
     held-out ones by train.seed (`split` picks which)."""
+    _check_reader_keys(config)
     if config.model.kind != "vla":
         return TokenSource(directory, config.train.seq_len, config.model.vocab_size)
     from jaxpar.data.lerobot import LeRobotSource, is_lerobot
 
     if is_lerobot(directory):
         source = LeRobotSource(directory, InstructionEncoder.for_config(config), config.vision.image_size,
-                               cameras=config.data.cameras or None, resize=config.vision.resize)
+                               cameras=config.data.cameras or None, resize=config.vision.resize,
+                               cache_bytes=config.data.frame_cache_mb << 20)
         if config.data.eval_episodes:
             source = source.subset(held_out_split(config, source.episode_indices)[split])
     else:
@@ -91,6 +93,20 @@ def make_source(config: Config, directory: str, split: str = "train"):
     _check_episode_shapes(config, source)
     source.check_instructions()
     return source
+
+
+def _check_reader_keys(config: Config) -> None:
+    for key in ("prefetch", "frame_cache_mb"):
+        value = getattr(config.data, key)
+        if value < (1 if key == "prefetch" else 0):
+            raise ConfigError(f"data.{key}={value} must be >= {1 if key == 'prefetch' else 0}")
+
+
+def read_options(config: Config) -> grain.ReadOptions:
+    """The reader threads of one reading process (the training process, or each grain worker): 2
+    threads, data.prefetch batches read ahead."""
+    return grain.ReadOptions(num_threads=min(READ_THREADS, config.data.prefetch),
+                             prefetch_buffer_size=config.data.prefetch)
 
 
 def held_out_split(config: Config, episodes: list[int]) -> dict[str, list[int]]:
@@ -137,11 +153,16 @@ class GrainData:
         self.position, self.iterator = 0, None
 
     def _open(self) -> Iterator[dict]:
-        iter_dataset = self.batches[self.position:].to_iter_dataset(
-            grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
-        if self.config.data.workers:
+        """With data.workers, grain slices the batched MapDataset (the shuffle, the batching, the
+        decoding in the source's __getitem__ and episode_batch) over the worker processes: worker w
+        reads batches w, w + W, ..., each with its own reader threads, data.prefetch batches ahead, and
+        its own frame cache; this process only takes the finished uint8 batches, in order."""
+        data = self.config.data
+        iter_dataset = self.batches[self.position:].to_iter_dataset(read_options(self.config))
+        if data.workers:
             _mark_absl_flags_parsed()
-            iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.config.data.workers))
+            iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(
+                num_workers=data.workers, per_worker_buffer_size=data.prefetch))
         return iter(iter_dataset)
 
     def next_local(self) -> dict:
@@ -192,7 +213,7 @@ class EvalData:
         self.dataset = dataset[shard::shards].batch(self.global_batch // shards).map(_batch_fn(config, True))
 
     def __iter__(self) -> Iterator[dict]:
-        for local in self.dataset.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)):
+        for local in self.dataset.to_iter_dataset(read_options(self.config)):
             yield to_global(local, self.sharding, self.global_batch)
 
     @property

@@ -3,7 +3,9 @@
 `forward` runs new tokens at positions start .. start + T - 1 through every layer, attending to the
 cache (written in place at those positions) and returns this rank's vocab slice of their logits. The
 prompt goes in as one call (prefill), then one token per call. Tensor parallelism comes from the
-same `Collectives` hooks as training: each rank caches only its own KV heads.
+same `Collectives` hooks as training: each rank caches only its own KV heads. With context
+parallelism (a Collectives with a context axis) the prefill is split over cp: each rank runs its
+balanced chunks of the prompt, and every rank caches the whole prompt's K / V for the decoding after.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, local_kv_heads: int, 
 def _cached_attention(x_BxTxD, p, cfg: ModelConfig, coll: Collectives, k_cache, v_cache, start, prefix_len: int = 0):
     """Causal attention of T new positions over the cache (the first `prefix_len` positions see each
     other, as the VLA's prefix-LM mask); returns (output, updated caches)."""
-    positions_T = start + jnp.arange(x_BxTxD.shape[1])
+    mine_T = coll.context_positions(x_BxTxD.shape[1])  # a prefill split over cp: this rank's prompt tokens
+    positions_T = start + (jnp.arange(x_BxTxD.shape[1]) if mine_T is None else mine_T)
     q = rope(jnp.einsum("btd,dnh->btnh", x_BxTxD, p["wq"]), cfg.rope_theta, cfg.rope_scaling, positions_T)
     k = rope(jnp.einsum("btd,dkh->btkh", x_BxTxD, coll.local_kv_heads(p["wk"])), cfg.rope_theta, cfg.rope_scaling,
              positions_T)
     v = jnp.einsum("btd,dkh->btkh", x_BxTxD, coll.local_kv_heads(p["wv"]))
+    kv = coll.context_unshard(jnp.concatenate([k, v], axis=-1))  # with cp: every rank caches the whole prompt
+    k, v = jnp.split(kv, 2, axis=-1)
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
     v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
     b, t, n, h = q.shape
@@ -79,8 +84,9 @@ def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT
                     config, instruction_bytes_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """A VLA's greedy action tokens [B, dims] on one device, and the logits they were chosen from
     [B, dims, bins]: the image + instruction prefix in one call, then one action token per call,
-    each the most likely among the action tokens only. `instruction_bytes_BxT`: what FiLM reads
-    when the LLM reads a tokenizer's ids (jaxpar.data.instructions)."""
+    each the most likely among the action tokens only. Images are uint8 pixels, scaled in the encoder
+    (jaxpar.models.vit.normalise). `instruction_bytes_BxT`: what FiLM reads when the LLM reads a
+    tokenizer's ids (jaxpar.data.instructions)."""
     from jaxpar.models import vit, vla
 
     coll, cfg, dims = Collectives(), config.model, config.actions.dims

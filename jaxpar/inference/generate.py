@@ -3,14 +3,16 @@ run's action for one step of an episode.
 
     python -m jaxpar.generate (--workdir W [--checkpoint_step N] | --from_hf DIR)
         (--prompt TEXT [--chat] | --prompt_ids 1,2,3) [--max_new_tokens N] [--temperature T] [--top_p P]
-        [--seed S] [--tp N] [--json]
+        [--seed S] [--tp N] [--cp N] [--json]
     python -m jaxpar.generate --workdir VLA_RUN --episode episode_00000.npz --step K [--json]
 
 The prompt is run through the model once (prefill, filling the KV cache), then one token per step
 (jaxpar.inference.decode). Temperature 0 is greedy; otherwise the logits are divided by the
 temperature and sampled from the smallest set of tokens whose probability reaches top_p (nucleus).
 With --tp N the weights, KV cache and heads are split over N devices exactly as in training
-(emulated on CPU).
+(emulated on CPU). With --cp N the prefill is also split over N x tp devices by context parallelism (each
+runs its balanced chunks of the prompt, padded to 2 N chunks, against the whole prompt's K / V); every
+cp rank then holds the whole cache and decodes alike.
 
 --prompt needs a tokenizer: the run's (from its training data) or DIR/tokenizer.json, and is encoded
 as the tokenizer means it, special tokens included: a Llama tokenizer.json's template puts BOS first,
@@ -30,6 +32,7 @@ end-of-document id and, when it kept its Hugging Face model's tokenizer, that mo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -58,6 +61,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)  # context parallelism for the prompt's prefill
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.tp < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
@@ -183,7 +187,9 @@ def load(args):
             raise ConfigError(f"--tp {args.tp} does not divide model.{key}={getattr(model, key)}")
     if args.tp % model.n_kv_heads and model.n_kv_heads % args.tp:
         raise ConfigError(f"--tp {args.tp} and n_kv_heads={model.n_kv_heads}: one must divide the other")
-    layout = Layout(dp=1, pp=1, tp=args.tp)
+    if args.cp < 1:
+        raise ConfigError(f"--cp {args.cp} must be >= 1")
+    layout = Layout(dp=1, pp=1, tp=args.tp, cp=args.cp)
     mesh = layout.make_mesh()
     shardings = weight_shardings(mesh, model)
     if weights is None:
@@ -210,7 +216,8 @@ def weight_shardings(mesh, model):
 def generate(model, weights, mesh, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | list[int] | None = None) -> list[int]:
     """The new token ids (one sequence), stopping after `max_new_tokens` or at `eos_id` (one id, or
-    any of several: a model may end a sequence with more than one token)."""
+    any of several: a model may end a sequence with more than one token). On a mesh with a "cp" axis
+    the prompt's prefill is split over cp (_prefill); decoding runs the same on every cp rank."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -219,11 +226,12 @@ def generate(model, weights, mesh, prompt_ids: list[int], max_new_tokens: int, t
     from jaxpar.inference import decode
     from jaxpar.sharding import kv_heads_replicated
 
-    tp = mesh.shape["tp"]
+    tp, cp = mesh.shape["tp"], mesh.shape.get("cp", 1)
     replicated = kv_heads_replicated(model.n_kv_heads, tp)
     coll = Collectives(tp_axis="tp", kv_heads_replicated=replicated)  # (a size-1 axis too: the cache is typed by it)
     local_kv = 1 if replicated else model.n_kv_heads // tp
-    max_len = len(prompt_ids) + max_new_tokens
+    padded = -(-len(prompt_ids) // (2 * cp)) * 2 * cp  # cp's 2 cp chunks (the padding is never attended to)
+    max_len = padded + max_new_tokens
     weight_specs = jax.tree.map(lambda s: s.spec, weight_shardings(mesh, model))
     cache_spec = {"k": P(None, None, None, "tp"), "v": P(None, None, None, "tp")}
 
@@ -239,7 +247,12 @@ def generate(model, weights, mesh, prompt_ids: list[int], max_new_tokens: int, t
     key = jax.random.key(seed)
     ids, start, new = jnp.asarray([prompt_ids], jnp.int32), 0, []
     for i in range(max_new_tokens):
-        logits, cache = step(weights, ids, cache, jnp.int32(start))
+        if i == 0 and cp > 1:
+            prefill = _prefill(model, mesh, dataclasses.replace(coll, context_axis="cp"), weight_specs, cache_spec,
+                               len(prompt_ids))
+            logits, cache = prefill(weights, jnp.pad(ids, ((0, 0), (0, padded - ids.shape[1]))), cache)
+        else:
+            logits, cache = step(weights, ids, cache, jnp.int32(start))
         token = int(_sample(logits[0], temperature, top_p, jax.random.fold_in(key, i)))
         new.append(token)
         if token in stop:
@@ -247,6 +260,26 @@ def generate(model, weights, mesh, prompt_ids: list[int], max_new_tokens: int, t
         start += ids.shape[1]
         ids = jnp.asarray([[token]], jnp.int32)
     return new
+
+
+def _prefill(model, mesh, coll, weight_specs, cache_spec, prompt_len: int):
+    """The prompt's prefill split over cp: each rank runs its balanced chunks of the (padded) prompt,
+    its queries against the whole prompt's K / V, which every rank caches (decode.py); returns the
+    logits of the prompt's last token (held by one rank, summed over cp) and the cache."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.inference import decode
+
+    def local_prefill(params, ids, cache):
+        positions = coll.context_positions(ids.shape[1] // mesh.shape["cp"])
+        logits, cache = decode.forward(params, jnp.take(ids, positions, axis=1), cache, 0, model, coll)
+        last = jnp.einsum("btv,t->bv", logits, (positions == prompt_len - 1).astype(logits.dtype))
+        return jax.lax.psum(last, "cp"), cache
+
+    return jax.jit(jax.shard_map(local_prefill, mesh=mesh, in_specs=(weight_specs, P(), cache_spec),
+                                 out_specs=(P(None, "tp"), cache_spec)), donate_argnums=2)
 
 
 def _sample(logits_V, temperature: float, top_p: float, key):
@@ -285,7 +318,7 @@ def predict_episode_action(args) -> dict:
         images, instruction, actions = episode["images"], str(episode["instruction"]), episode["actions"]
     if not 0 <= args.step < len(images):
         raise ConfigError(f"--step {args.step} is outside {path}'s {len(images)} steps")
-    image = images[args.step][None].astype(np.float32) / 255.0  # as the training pipeline scales them
+    image = np.asarray(images[args.step][None], np.uint8)  # uint8, as training feeds them (scaled on the device)
     text, film = InstructionEncoder.for_config(config).encode_batch([instruction], path)  # as training encoded it
     tokens = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config, film)[0])[0]
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
@@ -304,9 +337,9 @@ def run(argv: list[str]) -> int:
 
     import jax
 
-    if jax.config.jax_num_cpu_devices < args.tp:  # never fewer than a caller (e.g. a test) asked for
+    if jax.config.jax_num_cpu_devices < args.tp * args.cp:  # never fewer than a caller (e.g. a test) asked for
         try:
-            emulate_cpu_devices(args.tp)  # before JAX starts a backend (no-op for GPUs)
+            emulate_cpu_devices(args.tp * args.cp)  # before JAX starts a backend (no-op for GPUs)
         except RuntimeError:  # called in a process whose backend is up: its devices are what there is
             pass
     model, weights, mesh, tokenizer, eos = load(args)

@@ -10,23 +10,21 @@ are skipped; the prefix-LM mask goes in as `mask`, which jax hands to cuDNN as a
 bias). "auto" can only reach a layer unresolved (a model built without a device in mind, e.g. the
 single-device references of the tests) and means "xla", the path that runs everywhere.
 
-The cuDNN call goes through `cudnn_attention`, jax's own kernel wrapped in a custom_vjp of ours whose
+The cuDNN call goes through `cudnn_attention` (jaxpar.layers.cudnn), jax's own kernel wrapped in a custom_vjp of ours whose
 forward names the residuals the kernel's backward reads: the output ("attention_out") and the softmax
 statistics ("attention_stats", the row log-sum-exp, f32 [B, N, S]). A remat policy that keeps both
 (jaxpar.parallel.remat: selective, dots, offload) runs the flash forward once per layer; jax's own
 custom_vjp hides the statistics from the policies, so naming the output alone re-ran it in the backward.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax._src.cudnn import fused_attention_stablehlo as _fmha
 
 from jaxpar.layers.blockwise import positions_mask
 from jaxpar.layers.collectives import Collectives
+from jaxpar.layers.cudnn import cudnn_attention
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
@@ -100,8 +98,7 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     q_BxSxNxH = rope(q_BxSxNxH, rope_theta, rope_scaling, positions_S)
     k_BxSxKxH = rope(k_BxSxKxH, rope_theta, rope_scaling, positions_S)
     if positions_S is not None and coll.context_strategy == "ring":  # K / V blocks passed around cp
-        o_BxSxNxH = coll.ring_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, positions_S, prefix_len)
-        o_BxSxNxH = checkpoint_name(o_BxSxNxH, "attention_out")
+        o_BxSxNxH = coll.ring_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, prefix_len, impl)  # (names its residuals)
     elif positions_S is not None:  # context parallelism: this rank's queries against every key, gathered
         k_BxTxKxH, v_BxTxKxH, k_positions_T = coll.gather_context(k_BxSxKxH, v_BxSxKxH)
         mask = positions_mask(positions_S, k_positions_T, prefix_len)
@@ -113,61 +110,3 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, is_causal=True)
     out_BxSxD = coll.linear("bsnh,nhd->bsd", o_BxSxNxH, p["wo"])
     return checkpoint_name(coll.row_parallel_sum(out_BxSxD), "attention_proj")
-
-
-# ----------------------------------------------------------------------------- cuDNN, residuals named
-
-# The arguments of jax's cuDNN custom_vjp (fused_attention_stablehlo._dot_product_attention) after the ten
-# arrays: scale, seed, dropout_rate, variadic_args, mask_type, layout, sliding_window_length,
-# cudnn_version, return_residual. They are static (nondiff) here as there.
-_STATIC = tuple(range(10, 19))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=_STATIC)
-def _fmha_named(*args):
-    """jax's cuDNN flash attention (same arguments as fused_attention_stablehlo._dot_product_attention)."""
-    return _fmha._dot_product_attention_fwd(*args)
-
-
-def _fmha_named_fwd(*args):
-    """jax's forward rule, its residuals (the output and the softmax statistics) under checkpoint_name.
-
-    The residual tuple is jax's: (q, k, v, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_table_k,
-    page_table_v, stats, output). q, k, v come from the layer's named projections (RoPE is recomputed)."""
-    out, res = _fmha._dot_product_attention_fwd_rule(*args)
-    *inputs, stats, output = res
-    if output is not out:
-        raise AssertionError("jax's cuDNN forward rule no longer keeps its output as the last residual")
-    out = checkpoint_name(out, "attention_out")
-    return out, (*inputs, checkpoint_name(stats, "attention_stats"), out)
-
-
-def _fmha_named_bwd(*static_res_g):
-    return _fmha._dot_product_attention_bwd_rule(*static_res_g)
-
-
-_fmha_named.defvjp(_fmha_named_fwd, _fmha_named_bwd)
-
-
-def cudnn_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
-                    mask: jax.Array | None = None, is_causal: bool = False) -> jax.Array:
-    """jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, implementation="cudnn"), with
-    the residuals of its backward named "attention_out" and "attention_stats" (module docstring).
-
-    The same kernel call as jax's (scale 1/sqrt(H), the causal mask as cuDNN's mask type, a boolean mask
-    as an additive bias, BTNH layout, no dropout), built from the same functions of
-    jax._src.cudnn.fused_attention_stablehlo; only the custom_vjp around the kernel is ours."""
-    head_dim = q_BxSxNxH.shape[-1]
-    if q_BxSxNxH.shape[-2] % k_BxSxKxH.shape[-2]:
-        raise ValueError(f"{q_BxSxNxH.shape[-2]} query heads do not share {k_BxSxKxH.shape[-2]} KV heads evenly")
-    cudnn_version = _fmha.check_cudnn_version()
-    layout = _fmha._normalize_layout("BTNH")
-    bias = _fmha.combine_bias_and_mask(None, mask, q_BxSxNxH.dtype)
-    _fmha.check_layout(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, bias, None, None, None, None, None, None, layout)
-    has_bias = bias is not None
-    variadic_args = (has_bias, has_bias and _fmha.should_export_dbias(bias.shape, q_BxSxNxH.shape, layout))
-    unused = jnp.zeros(0, dtype=q_BxSxNxH.dtype)
-    mask_type = _fmha.MaskType.CAUSAL if is_causal else _fmha.MaskType.NO_MASK
-    return _fmha_named(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, bias if has_bias else unused, unused, unused, unused,
-                       unused, unused, unused, 1.0 / float(np.sqrt(head_dim)), 42, 0.0, variadic_args, mask_type,
-                       layout.value, None, cudnn_version, False)

@@ -8,6 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def balanced_order(seq_len: int, ways: int) -> np.ndarray:
+    """The token positions in the order context parallelism lays the sequence out over `ways` ranks,
+    rank-major: the sequence cut into 2 ways chunks, rank i holding chunks i and 2 ways - 1 - i. Under a
+    causal mask an early chunk attends to few keys and a late one to many, so each rank gets one of
+    each and every rank does the same work (Megatron's and MaxText's load balancing)."""
+    if seq_len % (2 * ways):
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 x {ways} equal chunks")
+    chunks = np.arange(seq_len).reshape(2 * ways, seq_len // (2 * ways))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]]) for i in range(ways)])
+
+
 def positions_mask(q_positions: jax.Array, k_positions: jax.Array, prefix_len: int = 0) -> jax.Array:
     """[1, 1, Sq, Sk] bool for queries and keys at arbitrary sequence positions: causal (a key at or before
     the query), and with `prefix_len` the prefix sees itself whole (the prefix-LM mask). With positions
@@ -39,3 +50,25 @@ def merge_blocks(o_a, lse_a, o_b, lse_b):
     lse = jnp.logaddexp(lse_a, lse_b)
     weight = lambda block_lse: jnp.exp(block_lse - lse).transpose(0, 2, 1)[..., None]  # noqa: E731 [B, S, N, 1]
     return o_a * weight(lse_a) + o_b * weight(lse_b), lse
+
+
+def block_attention_grads(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, mask, out_BxSxNxH, lse_BxNxS, d_out_BxSxNxH):
+    """(dq, dk, dv) of one block's share of the whole attention, given the *merged* output and
+    log-sum-exp (FlashAttention-2's backward): the block's probabilities exp(s - lse) are its part of
+    the whole softmax, and D = sum(dO * O) carries the normaliser's gradient, so no gradient of the
+    statistics is needed. In fp32, recomputing the block's scores (jaxpar.layers.ring)."""
+    b, s, n, h = q_BxSxNxH.shape
+    k = k_BxTxKxH.shape[2]
+    grouped = lambda x: x.astype(jnp.float32).reshape(b, s, k, n // k, h)  # noqa: E731 [B, S, K, G, H]
+    q, d_out = grouped(q_BxSxNxH), grouped(d_out_BxSxNxH)
+    keys, values = k_BxTxKxH.astype(jnp.float32), v_BxTxKxH.astype(jnp.float32)
+    scores = jnp.einsum("bskgh,btkh->bkgst", q, keys) / np.sqrt(h)
+    lse_BxKxGxS = lse_BxNxS.reshape(b, k, n // k, s)
+    probs = jnp.where(mask[:, :, None], jnp.exp(scores - lse_BxKxGxS[..., None]), 0.0)
+    d_values = jnp.einsum("bkgst,bskgh->btkh", probs, d_out)
+    d_probs = jnp.einsum("bskgh,btkh->bkgst", d_out, values)
+    row_BxKxGxS = jnp.einsum("bskgh,bskgh->bkgs", d_out, grouped(out_BxSxNxH))  # D = rowsum(dO * O)
+    d_scores = probs * (d_probs - row_BxKxGxS[..., None]) / np.sqrt(h)
+    d_q = jnp.einsum("bkgst,btkh->bskgh", d_scores, keys).reshape(b, s, n, h)
+    d_keys = jnp.einsum("bkgst,bskgh->btkh", d_scores, q)
+    return d_q, d_keys, d_values

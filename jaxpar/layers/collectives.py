@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.layers.blockwise import block_attention, merge_blocks, positions_mask
+from jaxpar.layers import ring
+from jaxpar.layers.blockwise import balanced_order  # noqa: F401  (re-exported)
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
 from jaxpar.layers.order import (backward_ordered, chain_both_ways, cotangent_after, cotangent_summed,
                                  ordered_both_ways)
@@ -30,17 +30,6 @@ def varying_of(aval) -> frozenset:
         axis_type = getattr(aval, "manual_axis_type", None)
         return frozenset(axis_type.varying if axis_type is not None else ())
     return frozenset(vma)
-
-
-def balanced_order(seq_len: int, ways: int) -> np.ndarray:
-    """The token positions in the order context parallelism lays the sequence out over `ways` ranks,
-    rank-major: the sequence cut into 2 ways chunks, rank i holding chunks i and 2 ways - 1 - i. Under a
-    causal mask an early chunk attends to few keys and a late one to many, so each rank gets one of
-    each and every rank does the same work (Megatron's and MaxText's load balancing)."""
-    if seq_len % (2 * ways):
-        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 x {ways} equal chunks")
-    chunks = np.arange(seq_len).reshape(2 * ways, seq_len // (2 * ways))
-    return np.concatenate([np.concatenate([chunks[i], chunks[2 * ways - 1 - i]]) for i in range(ways)])
 
 
 def _as_tuple(axes) -> tuple[str, ...]:
@@ -82,27 +71,11 @@ class Collectives:
         return jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(self.context_axis) * local_len, local_len)
 
     def ring_attention(self, q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
-                       positions_S: jax.Array, prefix_len: int) -> jax.Array:
+                       prefix_len: int, kernel: str = "xla") -> jax.Array:
         """This rank's attention output over the whole sequence without gathering it: K and V travel
-        the cp ring one block per step (one collective-permute of both, issued before the step's
-        block attention so that a GPU overlaps the two), each block masked by its own positions and
-        merged by log-sum-exp (jaxpar.layers.blockwise). Step 0 is this rank's own
-        block, which holds every query's diagonal, so no query ever has nothing to attend to."""
-        ways, rank = jax.lax.axis_size(self.context_axis), jax.lax.axis_index(self.context_axis)
-        local = k_BxSxKxH.shape[1]
-        order = jnp.asarray(balanced_order(local * ways, ways))
-        ring = [(i, (i + 1) % ways) for i in range(ways)]
-        kv = jnp.concatenate([k_BxSxKxH, v_BxSxKxH], axis=-1)
-        out = lse = None
-        for step in range(ways):
-            following = jax.lax.ppermute(kv, self.context_axis, ring) if step < ways - 1 else None
-            source = (rank - step) % ways  # whose block this rank holds at this step
-            k_positions = jax.lax.dynamic_slice_in_dim(order, source * local, local)
-            k_blk, v_blk = jnp.split(kv, 2, axis=-1)
-            o, l = block_attention(q_BxSxNxH, k_blk, v_blk, positions_mask(positions_S, k_positions, prefix_len))
-            out, lse = (o, l) if out is None else merge_blocks(out, lse, o, l)
-            kv = following
-        return out.astype(q_BxSxNxH.dtype)
+        the cp ring one block per step, each block's attention by `kernel` ("xla" or "cudnn") merged by
+        log-sum-exp, the backward a second ring (jaxpar.layers.ring)."""
+        return ring.ring_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, self.context_axis, prefix_len, kernel)
 
     def gather_context(self, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array):
         """(keys, values, their positions) of the whole sequence: all-gathered over the context axis
@@ -159,6 +132,24 @@ class Collectives:
 
     def without_sequence_parallel(self) -> "Collectives":
         return dataclasses.replace(self, sequence_axis=None)
+
+    def context_slice(self, x_BxSxD: jax.Array) -> jax.Array:
+        """This cp rank's tokens (context_positions) of a sequence it holds whole, e.g. a VLA's
+        assembled image + text sequence (no communication); the identity without context parallelism."""
+        positions = self.context_positions(x_BxSxD.shape[1] // jax.lax.axis_size(self.context_axis)) \
+            if self.context_axis else None
+        return x_BxSxD if positions is None else jnp.take(x_BxSxD, positions, axis=1)
+
+    def context_unshard(self, x_BxSx: jax.Array) -> jax.Array:
+        """The whole sequence, in position order, of an array each cp rank holds its tokens of
+        (context_positions), the same on every rank: one sum over cp of each rank's tokens in place
+        (generation's prefill caches the whole prompt's K / V this way); the identity without cp."""
+        if not self.context_axis:
+            return x_BxSx
+        local = x_BxSx.shape[1]
+        whole = jnp.zeros((x_BxSx.shape[0], local * jax.lax.axis_size(self.context_axis)) + x_BxSx.shape[2:],
+                          x_BxSx.dtype)
+        return jax.lax.psum(whole.at[:, self.context_positions(local)].set(x_BxSx), self.context_axis)
 
     def sequence_shard(self, x_BxSxD: jax.Array) -> jax.Array:
         """This rank's slice along S of a sequence every tp rank holds whole (no communication)."""

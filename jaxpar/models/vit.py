@@ -8,12 +8,15 @@ several cameras each image is encoded separately and the patch tokens are concat
 Optional FiLM conditioning on the instruction (RT-1's FiLM-EfficientNet; `vision.film`): the
 instruction bytes' mean embedding gives a per-block scale and shift of every patch token, so a patch
 can mark itself as "the thing named" inside the encoder (see `film_params`).
-Pixels: the model's images are uint8 pixels scaled to [0, 1] (x / 255, the data pipeline, rollouts
-and `generate --episode` alike); `features` first normalises them per channel with vision.image_mean /
-image_std (`normalise`: SigLIP's encoder was trained on (x / 255 - 0.5) / 0.5). It is done here, in
-the encoder's forward on the device, so that every path into the model (training, evaluation,
-closed-loop rollouts, generation, every parallel layout) shares one definition and takes its
-statistics from the run's config.json, instead of each host-side caller repeating it.
+Pixels: the model's images travel as uint8 pixels (the data pipeline, synthetic batches, rollouts
+and `generate --episode` alike: a quarter of float32's bytes on the host, in the batch transfer and in
+the compiled step's batch argument); `features` scales them to [0, 1] (x / 255) and normalises them
+per channel with vision.image_mean / image_std (`normalise`: SigLIP's encoder was trained on
+(x / 255 - 0.5) / 0.5). Both are done here, in the encoder's forward on the device, so that every
+path into the model (training, evaluation, closed-loop rollouts, generation, every parallel layout)
+shares one definition and takes its statistics from the run's config.json, instead of each host-side
+caller repeating it. Float pixels are still accepted and taken as already scaled to [0, 1] (no / 255):
+transformers' pixel_values and the equivalence tests against it are floats; jaxpar's own paths send uint8.
 Projector: a 2-layer GELU MLP into the LLM width (LLaVA / OpenVLA). Tensor parallel in the Megatron
 layout over the vision tp axis, through the same `Collectives` hooks as the LLM, and with the same
 checkpoint_name tags, so the remat policies of jaxpar.parallel.remat mean the same for the encoder.
@@ -157,10 +160,22 @@ def pixel_stats(cfg: VisionConfig) -> tuple[tuple[float, ...], tuple[float, ...]
     return tuple(cfg.image_mean), tuple(cfg.image_std)
 
 
+def to_unit(pixels: jax.Array) -> jax.Array:
+    """uint8 pixels -> float32 x / 255 in [0, 1] (the one place jaxpar scales pixels: on the device,
+    inside the encoder); float pixels are taken as already in [0, 1] and returned untouched."""
+    if pixels.dtype == jnp.uint8:
+        return pixels.astype(jnp.float32) / 255.0
+    if not jnp.issubdtype(pixels.dtype, jnp.floating):
+        raise TypeError(f"images must be uint8 pixels (or floats in [0, 1]), not {pixels.dtype}")
+    return pixels
+
+
 def normalise(pixels: jax.Array, cfg: VisionConfig) -> jax.Array:
-    """(pixels - vision.image_mean) / vision.image_std over the last (channel) axis, in float32, for
-    pixels in [0, 1]; the identity (pixels untouched, no op in the program) for mean 0 and std 1. The
-    same arithmetic as SiglipImageProcessor's normalize after its rescale by 1/255."""
+    """(x - vision.image_mean) / vision.image_std over the last (channel) axis, in float32, where x is
+    the pixels in [0, 1] (`to_unit`: uint8 / 255); just x for mean 0 and std 1 (float pixels then go
+    through untouched, no op in the program). The same arithmetic as SiglipImageProcessor's rescale by
+    1/255 and normalize."""
+    pixels = to_unit(pixels)
     stats = pixel_stats(cfg)
     if stats is None:
         return pixels
@@ -206,7 +221,8 @@ def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll:
 def features(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll: Collectives,
              remat_policy: Callable | None = None, instruction_BxT: jax.Array | None = None) -> jax.Array:
     """The encoder's output before the projector: [B x cameras, patches, width] after the final
-    LayerNorm (SigLIP's last_hidden_state), from pixels in [0, 1] (normalised here, see `normalise`)."""
+    LayerNorm (SigLIP's last_hidden_state), from uint8 pixels (or floats in [0, 1]), scaled and
+    normalised here (`normalise`)."""
     vit = params["vit"]
     b, cams = images_BxCamxHxWxC.shape[:2]
     stem_axes = {k: v for k, v in param_axes(cfg)["vit"].items() if k != "blocks"}  # (FiLM's too)

@@ -52,7 +52,8 @@ class ActionTokenizer:
 
 def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, actions: np.ndarray,
                instruction_bytes: np.ndarray | None = None) -> dict:
-    """Host batch: images [B, cams, H, W, C], the LLM's instruction ids [B, T_text], actions [B, dims] in
+    """Host batch: images uint8 [B, cams, H, W, C] (kept uint8: the encoder scales them on the device,
+    jaxpar.models.vit.normalise), the LLM's instruction ids [B, T_text], actions [B, dims] in
     [low, high]; `instruction_bytes` [B, T_text]: what FiLM reads when the LLM reads a tokenizer's ids
     (jaxpar.data.instructions; without it FiLM reads the instruction ids, which are then bytes).
 
@@ -71,7 +72,10 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
     mask[:, -config.actions.dims:] = 1.0
     if config.model.text_loss:
         mask[:, n_image - 1:n_image - 1 + instructions.shape[1]] = 1.0
-    batch = {"images": images.astype(np.float32), "inputs": tokens[:, :-1], "targets": targets, "mask": mask}
+    images = np.asarray(images)
+    if images.dtype != np.uint8:
+        raise TypeError(f"make_batch takes uint8 pixels (the encoder scales them on the device), not {images.dtype}")
+    batch = {"images": images, "inputs": tokens[:, :-1], "targets": targets, "mask": mask}
     if instruction_bytes is not None:
         batch["instruction_bytes"] = np.asarray(instruction_bytes, np.int32)
     return batch
@@ -84,22 +88,28 @@ def action_values(config: Config, actions_BxA: np.ndarray) -> np.ndarray:
     return values
 
 
-def eval_sums(config: Config, token_loss_BxS: jax.Array, pred_BxS: jax.Array, batch: dict) -> dict:
+def eval_sums(config: Config, token_loss_BxS: jax.Array, pred_BxS: jax.Array, batch: dict,
+              positions_S: jax.Array | None = None) -> dict:
     """llama.eval_sums plus, over the action tokens: exact-token hits and the absolute error of the
-    decoded continuous action (the predicted bin's centre) against the true value."""
+    decoded continuous action (the predicted bin's centre) against the true value. `positions_S`: the
+    sequence positions of the given tokens (context parallelism's chunks; None: all of them in order)."""
     act, first_id = config.actions, config.model.vocab_size - config.actions.bins
     targets = batch["targets"]
-    is_action_S = np.zeros(targets.shape[1], np.float32)
-    is_action_S[-act.dims:] = 1.0  # the action targets are the last dims (make_batch)
-    is_action_BxS = jnp.broadcast_to(is_action_S, targets.shape)
+    if positions_S is None:
+        positions_S = jnp.arange(targets.shape[1])
+    dim_S = positions_S - (sequence_layout(config)[2] - act.dims)  # the action targets are the last dims
+    is_action_S = dim_S >= 0
     tokenizer = ActionTokenizer(act, config.model.vocab_size)
-    low_S, width_S = np.zeros(targets.shape[1], np.float32), np.zeros(targets.shape[1], np.float32)
-    low_S[-act.dims:], width_S[-act.dims:] = tokenizer.low, tokenizer.width  # the action targets are the last dims
+    low_S = jnp.asarray(tokenizer.low, jnp.float32)[jnp.clip(dim_S, 0)]
+    width_S = jnp.where(is_action_S, jnp.asarray(tokenizer.width, jnp.float32)[jnp.clip(dim_S, 0)], 0.0)
+    is_action_BxS = jnp.broadcast_to(is_action_S, targets.shape).astype(jnp.float32)
     decoded_BxS = low_S + (jnp.clip(pred_BxS - first_id, 0, act.bins - 1) + 0.5) * width_S
+    correct_BxS = (pred_BxS == targets) * is_action_BxS
+    by_dim_SxA = jax.nn.one_hot(dim_S, act.dims)  # all zeros off the action tokens
     return {**llama.eval_sums(token_loss_BxS, pred_BxS, batch), "action_tokens": jnp.sum(is_action_BxS),
-            "action_correct": jnp.sum((pred_BxS == targets) * is_action_BxS),
+            "action_correct": jnp.sum(correct_BxS),
             "action_abs_err": jnp.sum(jnp.abs(decoded_BxS - batch["values"]) * is_action_BxS),
-            "action_correct_by_dim": jnp.sum(pred_BxS[:, -act.dims:] == targets[:, -act.dims:], axis=0)}
+            "action_correct_by_dim": jnp.sum(correct_BxS, axis=0) @ by_dim_SxA}
 
 
 def synthetic_batch(config: Config, step: int, batch_size: int) -> dict:
@@ -107,10 +117,10 @@ def synthetic_batch(config: Config, step: int, batch_size: int) -> dict:
     text ids FiLM can read), and actions that are a fixed function of the image (learnable)."""
     vis, act = config.vision, config.actions
     rng = np.random.default_rng([config.train.seed, step, 7])
-    images = rng.random((batch_size, vis.cameras, vis.image_size, vis.image_size, vis.channels), np.float32)
+    images = rng.integers(0, 256, (batch_size, vis.cameras, vis.image_size, vis.image_size, vis.channels), np.uint8)
     text_vocab = config.model.vocab_size - act.bins
     instructions = rng.integers(0, min(text_vocab, vit.INSTRUCTION_VOCAB), (batch_size, act.instruction_len))
-    means = images.reshape(batch_size, -1, vis.channels).mean(axis=1)  # [B, C]
+    means = images.reshape(batch_size, -1, vis.channels).mean(axis=1) / 255.0  # [B, C] in [0, 1]
     actions = np.tanh(4.0 * (np.resize(means, (batch_size, act.dims)) - 0.5))
     return make_batch(config, images, instructions, actions)
 
@@ -131,10 +141,12 @@ def encode_images(params: dict, batch: dict, config: Config, coll: Collectives =
 
 def llm_inputs(params: dict, image_tokens_BxIxD: jax.Array, inputs_BxT: jax.Array, coll: Collectives) -> jax.Array:
     """The first pipeline stage's input: projected image tokens followed by the embedded text/actions.
-    With sequence parallelism the whole sequence is assembled, then each rank keeps its shard (the
-    text alone would shard differently from image + text)."""
+    The whole sequence is assembled, then each rank keeps its tokens: its cp chunks with context
+    parallelism, then its shard of them with sequence parallelism (the text alone would split
+    differently from image + text)."""
     text_BxTxD = llama.embed_tokens(params, inputs_BxT, coll.without_sequence_parallel())
-    return coll.sequence_shard(jnp.concatenate([image_tokens_BxIxD.astype(text_BxTxD.dtype), text_BxTxD], axis=1))
+    whole_BxSxD = jnp.concatenate([image_tokens_BxIxD.astype(text_BxTxD.dtype), text_BxTxD], axis=1)
+    return coll.sequence_shard(coll.context_slice(whole_BxSxD))
 
 
 def prefix_len(config: Config) -> int:

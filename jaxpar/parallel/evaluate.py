@@ -35,7 +35,7 @@ class Evaluator:
         coll = self.builder.head_collectives(self.coll)  # with a pipeline, the head is split over pp x tp
         token_loss, pred = llama.head_eval(head, x_BxSxD, batch["targets"], self.config.model, coll)
         if self.config.model.kind == "vla":
-            return vla.eval_sums(self.config, token_loss, pred, batch)
+            return vla.eval_sums(self.config, token_loss, pred, batch, coll.context_positions(pred.shape[1]))
         return llama.eval_sums(token_loss, pred, batch)
 
     def _sum_shape(self, key: str) -> tuple[int, ...]:

@@ -50,6 +50,7 @@ optimal for intervals: stash_slots = max over stages of the peak live entries (i
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -239,8 +240,11 @@ def _phases(active: np.ndarray) -> tuple[Phase, ...]:
     return tuple(phases)
 
 
+@functools.lru_cache(maxsize=512)
 def build(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The table of schedule `kind` for p stages, m microbatches and v model chunks per stage."""
+    """The table of schedule `kind` for p stages, m microbatches and v model chunks per stage. Cached
+    (the planner's recommender asks for the same few tables thousands of times), so its arrays are
+    read-only: a caller that wrote into one would change every later caller's table."""
     _check(kind, stages, microbatches, virtual)
     p, m, v = stages, microbatches, virtual
     item = _item_ticks(kind, p, m, v)
@@ -251,6 +255,8 @@ def build(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedu
     stash, slots = _stash(item, ticks, p)
     active = np.stack([tables["F"][0].max(1) > IDLE, loss > IDLE, tables["B"][0].max(1) > IDLE,
                        tables["W"][0].max(1) > IDLE], axis=1)
+    for array in (*tables["F"], *tables["B"], *tables["W"], loss, *stash.values()):
+        array.flags.writeable = False
     return Schedule(kind, p, m, v, *tables["F"], *tables["B"], *tables["W"], loss, stash, slots,
                     _phases(active))
 

@@ -231,7 +231,7 @@ class StepBuilder:
             v = self.config.vision
             n_image = image_tokens(v)
             shapes["inputs"] = ((batch, seq - n_image), jnp.int32)
-            shapes["images"] = ((batch, v.cameras, v.image_size, v.image_size, v.channels), jnp.float32)
+            shapes["images"] = ((batch, v.cameras, v.image_size, v.image_size, v.channels), jnp.uint8)
             if carries_instruction_bytes(self.config):  # FiLM's bytes beside a tokenizer's ids
                 shapes["instruction_bytes"] = ((batch, self.config.actions.instruction_len), jnp.int32)
         return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
@@ -272,11 +272,16 @@ class StepBuilder:
                                                            vla.instruction_ids(batch, self.config))
         if image_tokens is not None:  # (XLA:CPU) the LLM's collectives after the encoder's
             batch = after(batch, image_tokens)
+            if self.context_ways > 1:  # each cp rank's image cotangent is its own tokens' share: summed below
+                image_tokens = jax.lax.pcast(image_tokens, (CP,), to="varying")
         loss, grads, d_image = self._llm_loss_and_grads(llm_params, batch, image_tokens, token_count)
         if self.mesh.shape["pp"] == 1:  # the pipeline reduced each part already
             grads = self._reduce_grads_over_dp(grads)
         if vision_vjp is not None:  # (XLA:CPU) the encoder's backward after the LLM's reductions
-            (vision_grads,) = vision_vjp(after(d_image.astype(image_tokens.dtype), grads))
+            d_image = after(d_image.astype(image_tokens.dtype), grads)
+            if self.context_ways > 1:  # the whole sequence's cotangent of the (whole) image tokens
+                d_image = jax.lax.psum(d_image, CP)
+            (vision_grads,) = vision_vjp(d_image)
             grads.update(self.vision.reduce_grads(vision_grads, self.grad_reduce_dtype))
         loss = self._dp_sum(after(loss, grads))
         return loss, after(grads, loss)  # (XLA:CPU) what runs after the shard_map waits for every reduction
@@ -382,8 +387,15 @@ class StepBuilder:
         return loss, grads, None if d_extra is None else d_extra.reshape(image_tokens.shape)
 
     def _dp_sum(self, x):
-        """Sum over the data axes (dp, and cp: a loss or count of other tokens)."""
-        return jax.lax.psum(x, self.dp_axis) if self.dp_axis else x
+        """Sum over the data axes (dp, and cp: a loss or count of other tokens) of each device's own
+        partial, also where it is typed invariant over one of them (e.g. a count of a cp chunk's action
+        tokens, the same on every dp rank, which is then counted once per dp rank)."""
+        if not self.dp_axis:
+            return x
+        def varying(leaf):
+            missing = tuple(a for a in self.data_axes if a not in varying_of(jax.typeof(leaf)))
+            return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+        return jax.lax.psum(jax.tree.map(varying, x), self.dp_axis)  # one all-reduce for a tree
 
     def context_shard(self, batch: dict) -> dict:
         """Inside the shard_map: this cp rank's tokens of each [B, S] array of its dp shard, an early and a

@@ -1,11 +1,28 @@
-"""Layout recommender: enumerate (dp, pp, tp, ZeRO, remat, m), drop what does not fit, rank by
+"""Layout recommender: enumerate (dp, pp, cp, tp, ZeRO, remat, m), drop what does not fit, rank by
 estimated throughput, and say which of the seeds' planning rules each choice follows or breaks.
 
 Rules (the first seed, sections 2.4, 4.1, 4.4): "TP <= 8 inside a node, PP = number of nodes, DP =
 the rest"; "m >= 4p keeps the bubble under 25%" (with jaxpar's exact (p-1)/(m+p-1), m >= 4p gives
 <= (p-1)/(5p-1) < 20%); "checkpointing before offload". Candidates keep the config's global batch,
 model and precision; everything else is searched. Invalid layouts are those jaxpar.config.validate
-refuses (e.g. ZeRO-3 with a pipeline, tp not dividing the heads).
+refuses (e.g. ZeRO-3 with a pipeline, tp not dividing the heads, a sequence that cp does not cut
+into 2 cp chunks).
+
+Context parallelism (mesh.cp) multiplies the search (every split of the devices now has a third
+factor), so cp > 1 is pruned where it cannot win or cannot run:
+- cp x tp inside one node (`gpus_per_node`): cp across processes is refused at start
+  (jaxpar.parallel.mesh), and the planner would price its per-layer K / V traffic over the NICs.
+- Only the all_gather strategy: the planner prices `ring` exactly as all_gather (the same K / V bytes,
+  the same memory), so ring would only tie and double the cp search. Add "ring" to CP_STRATEGIES
+  once the planner prices it differently (tests/test_plan.py checks that they still tie).
+- Only the smallest microbatch the search tries for that mesh (one sequence with a pipeline):
+  cp cuts a microbatch's tokens, as splitting it into more microbatches (or more dp) does without
+  the K / V traffic, so cp is the next step after the batch cannot be split further. Without this
+  rule vla70b's 64-GPU search held 1,652 layouts, not 1,184 (872 without cp); with the schedule
+  tables cached (jaxpar.parallel.schedule.build) the 1,184 take about 6 s.
+So cp is picked where sequences are long (activations bind; e.g. llama7b at 786,432 tokens on 8
+A100-80GB fits only with cp) and not at the configs' short defaults, where it only adds traffic.
+The search times only the layouts that fit (their peak decides which are ranked).
 """
 
 from __future__ import annotations
@@ -19,15 +36,18 @@ from jaxpar.planner import cost, memory
 from jaxpar.compiler.hardware import GB, Hardware
 
 REMATS = ("none", "selective", "full")
+CP_STRATEGIES = ("all_gather",)  # "ring" ties all_gather in the planner: see the module docstring
 
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _with(config: Config, dp, pp, tp, zero, remat, m, offload, vision_tp, sp=False) -> Config:
+def _with(config: Config, dp, pp, tp, zero, remat, m, offload, vision_tp, sp=False, cp=1,
+          cp_strategy="all_gather") -> Config:
     return dataclasses.replace(
-        config, mesh=MeshConfig(dp, pp, tp, sequence_parallel=sp), zero=ZeroConfig(zero), remat=RematConfig(remat),
+        config, mesh=MeshConfig(dp, pp, tp, sequence_parallel=sp, cp=cp, cp_strategy=cp_strategy),
+        zero=ZeroConfig(zero), remat=RematConfig(remat),
         pipeline=_pipeline(config, pp, m),
         train=dataclasses.replace(config.train, grad_accum=1 if pp > 1 or config.model.kind == "vla" else m),
         offload=OffloadConfig(optimizer=offload, master_weights=True),
@@ -48,39 +68,59 @@ def _vision_tps(config: Config, tp: int) -> list[int]:
     return sorted({k for k in divisors(tp) if k >= min(config.vision.tp, tp)}, key=lambda k: (k != config.vision.tp, k))
 
 
-def candidates(config: Config, gpus: int) -> Iterator[Config]:
-    """Every layout of `gpus` devices that jaxpar.config.validate accepts."""
-    batch = config.train.global_batch_size
+def _context_ways(devices: int, tp: int, gpus_per_node: int) -> list[int]:
+    """cp for `devices` = dp x cp: its divisors with cp x tp inside one node (context parallelism
+    across processes is refused at start: jaxpar.parallel.mesh)."""
+    return [cp for cp in divisors(devices) if cp == 1 or cp * tp <= gpus_per_node]
+
+
+def candidates(config: Config, gpus: int, gpus_per_node: int | None = None) -> Iterator[Config]:
+    """Every layout of `gpus` devices that jaxpar.config.validate accepts, cp pruned as the module
+    says (`gpus_per_node`: the node that cp x tp must fit in; default all the GPUs)."""
+    batch, node = config.train.global_batch_size, gpus_per_node or gpus
     for tp in divisors(gpus):
         for pp in divisors(gpus // tp):
-            dp = gpus // tp // pp
-            if batch % dp:
-                continue
-            per_dp = batch // dp
-            splits = [k for k in divisors(per_dp) if pp > 1 and k >= pp or pp == 1 and k <= 8] or [per_dp]
-            if pp == 1 and config.model.kind == "vla":  # a VLA encodes the whole batch at once: no grad_accum
-                splits = [1]
-            for m in splits:
-                for zero in range(4 if pp == 1 else 3) if dp > 1 else (0,):  # dp=1: stages equal
-                    for remat in REMATS:
-                        for offload in (False, True):
-                            if offload and remat != "full":
-                                continue  # checkpointing before offload: offload only on top of full remat
-                            for sp in (False, True) if tp > 1 else (False,):  # sequence parallel: less memory
-                                for vision_tp in _vision_tps(config, tp):
-                                    candidate = _with(config, dp, pp, tp, zero, remat, m, offload, vision_tp, sp)
-                                    try:
-                                        validate(candidate)
-                                    except ConfigError:
-                                        continue
-                                    yield candidate
-                                    break
+            for cp in _context_ways(gpus // tp // pp, tp, node):
+                dp = gpus // tp // pp // cp
+                if batch % dp:
+                    continue
+                per_dp = batch // dp
+                splits = [k for k in divisors(per_dp) if pp > 1 and k >= pp or pp == 1 and k <= 8] or [per_dp]
+                if pp == 1 and config.model.kind == "vla":  # a VLA encodes the whole batch at once: no grad_accum
+                    splits = [1]
+                if cp > 1:  # cp only once the microbatch is split as far as the search splits it
+                    splits = splits[-1:]
+                yield from _variants(config, dp, pp, cp, tp, splits)
 
 
-def evaluate(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
+def _variants(config: Config, dp: int, pp: int, cp: int, tp: int, splits: list[int]) -> Iterator[Config]:
+    """The valid (m, ZeRO, remat, offload, sequence parallel, cp strategy, vision tp) choices of one mesh."""
+    for m in splits:
+        for zero in range(4 if pp == 1 else 3) if dp * cp > 1 else (0,):  # ZeRO shards over dp x cp; 1: stages equal
+            for remat in REMATS:
+                for offload in (False, True):
+                    if offload and remat != "full":
+                        continue  # checkpointing before offload: offload only on top of full remat
+                    for sp in (False, True) if tp > 1 else (False,):  # sequence parallel: less memory
+                        for strategy in CP_STRATEGIES if cp > 1 else ("all_gather",):
+                            for vision_tp in _vision_tps(config, tp):
+                                candidate = _with(config, dp, pp, tp, zero, remat, m, offload, vision_tp, sp,
+                                                  cp, strategy)
+                                try:
+                                    validate(candidate)
+                                except ConfigError:
+                                    continue
+                                yield candidate
+                                break
+
+
+def evaluate(config: Config, hw: Hardware, gpus_per_node: int, time_unfit: bool = True) -> dict:
+    """Peak, whether it fits, and the step time (`time_unfit=False`: only for a layout that fits; the
+    search ranks only those, and the step time is most of the cost: schedule tables)."""
     mem = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]
-    time = cost.step_time(config, hw, gpus_per_node)
-    return {"config": config, "peak": mem["peak"], "fits": mem["peak"] <= hw.usable_bytes, **time}
+    fits = mem["peak"] <= hw.usable_bytes
+    time = cost.step_time(config, hw, gpus_per_node) if fits or time_unfit else {}
+    return {"config": config, "peak": mem["peak"], "fits": fits, **time}
 
 
 def describe(config: Config) -> str:
@@ -131,9 +171,9 @@ def recommend(config: Config, gpus: int, gpus_per_node: int, hw: Hardware, top: 
                           f"use --gpus_per_node <= {gpus}")
     if gpus % gpus_per_node:
         raise ConfigError(f"--gpus={gpus} is not a whole number of {gpus_per_node}-GPU nodes")
-    results = [evaluate(c, hw, gpus_per_node) for c in candidates(config, gpus)]
+    results = [evaluate(c, hw, gpus_per_node, time_unfit=False) for c in candidates(config, gpus, gpus_per_node)]
     if not results:
-        raise ConfigError(f"no valid (dp, pp, tp) layout of {gpus} GPUs for this model and global batch "
+        raise ConfigError(f"no valid (dp, pp, cp, tp) layout of {gpus} GPUs for this model and global batch "
                           f"{config.train.global_batch_size}; change --gpus or train.global_batch_size")
     fitting = _one_per_layout(sorted((r for r in results if r["fits"]), key=lambda r: (-r["tokens_per_s"], r["peak"])))
     if not fitting:

@@ -67,8 +67,9 @@ def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = 
 
 
 def model_policy(config, weights, predict=None, place=None):
-    """A VLA's greedy actions as a policy: images scaled to [0, 1] and the instruction encoded as the
-    training pipeline encodes it (jaxpar.data.instructions), action tokens de-tokenised to bin centres.
+    """A VLA's greedy actions as a policy: the uint8 images as rendered (the encoder scales them on the
+    device, jaxpar.models.vit.normalise, as in training) and the instruction encoded as the training
+    pipeline encodes it (jaxpar.data.instructions), action tokens de-tokenised to bin centres.
     `weights`: a dict as jaxpar.inference.loader.restore_weights returns (host numpy: put on the
     default device once) or jax arrays already placed, in model layer order. The decoder is jitted
     once; each batch size compiles once. The training loop may pass its own jitted `predict` and
@@ -93,7 +94,7 @@ def model_policy(config, weights, predict=None, place=None):
         if key not in encoded:  # the same scenes' words every step
             arrays = encoder.encode_batch(instructions, "the rollout task")
             encoded[key] = tuple(None if a is None else place(a) for a in arrays)
-        pixels = place(np.asarray(images).astype(np.float32) / 255.0)
+        pixels = place(np.asarray(images, np.uint8))  # the encoder scales them (jaxpar.models.vit.normalise)
         tokens = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1])[0])
         return np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(tokens)), np.float32)
 

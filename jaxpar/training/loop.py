@@ -147,7 +147,10 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
         while step < steps and not preemption.should_stop(step):
             profiler.before(step + 1, state)
             with profiler.annotate(step + 1):
-                state, metrics = step_fn(state, data.next_batch())
+                waited = time.perf_counter()
+                batch = data.next_batch()  # this process's rows read (or waited for) and placed on the devices
+                logger.data_wait(time.perf_counter() - waited)
+                state, metrics = step_fn(state, batch)
             step += 1
             if watchdog is not None:
                 watchdog.track(step, metrics["loss"])
@@ -315,15 +318,21 @@ class StepLogger:
         self.n_devices, self.peak = n_devices, peak_flops_per_device(config.hardware.peak_tflops)
         self.records, self.pending, self.spikes = [], None, SpikeDetector()
         self.last_step, self.last_time = start, time.perf_counter()
+        self.waited, self.waited_from = 0.0, start  # seconds in data.next_batch for the steps after waited_from
+
+    def data_wait(self, seconds: float) -> None:
+        """The time this step's data.next_batch took (the step loop waited for its input that long)."""
+        self.waited += seconds
 
     def submit(self, step: int, metrics: dict, is_last: bool) -> None:
         if step % self.every == 0 or is_last:
-            self.pending = (step, metrics)
+            data_wait = self.waited / (step - self.waited_from)  # mean over the steps since the last logged one
+            self.pending, self.waited, self.waited_from = (step, metrics, data_wait), 0.0, step
 
     def flush(self) -> None:
         if self.pending is None:
             return
-        step, metrics = self.pending
+        step, metrics, data_wait = self.pending
         self.pending = None
         values = jax.device_get(metrics)
         now = time.perf_counter()
@@ -331,7 +340,8 @@ class StepLogger:
         record = {"step": step, **{k: float(values[k]) for k in ("loss", "grad_norm", "learning_rate")},
                   "skipped": bool(values["skipped"]), "skipped_total": int(values["skipped_total"]),
                   "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
-                  "mfu": mfu(self.flops_per_step, step_time, self.n_devices, self.peak)}
+                  "mfu": mfu(self.flops_per_step, step_time, self.n_devices, self.peak),
+                  "data_wait_s": data_wait}
         self._check_spike(record)
         self.records.append(record)
         self.writer.write(record)
