@@ -108,7 +108,8 @@ VLA_LAYOUTS = {
     "dp2_cp2_tp2_context_parallel": dict(mesh=dict(dp=2, pp=1, tp=2, cp=2), pipeline=dict(microbatches=1),
                                          actions=dict(instruction_len=34)),
 }
-SLOW_VLA_LAYOUTS = {"dp2_tp4_no_pipeline"}  # `make test` keeps the pipelined one; CI runs both
+# `make test` keeps the cp one (the action metrics by sequence position); CI runs all three
+SLOW_VLA_LAYOUTS = {"dp2_tp4_no_pipeline", "dp2_pp2_tp2_1f1b"}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(v, id=k, marks=[pytest.mark.slow] if k in SLOW_VLA_LAYOUTS else [])

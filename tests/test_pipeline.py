@@ -200,7 +200,8 @@ def collectives_in_scope(text: str, scope: str) -> collections.Counter:
     return found
 
 
-@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("1f1b", 2), ("zb", 1), ("gpipe", 1)])
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("1f1b", 2), pytest.param("zb", 1, marks=pytest.mark.slow),
+                                              ("gpipe", 1)])
 def test_the_step_executes_the_pp_collectives_the_planner_counts(schedule, virtual):
     """(1, 2, 2), m = 4: in the compiled step (loops x trip counts) the activation-sized collectives
     over pp are the ones jaxpar.parallel.pipeline.activation_collectives counts from the table (and

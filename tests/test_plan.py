@@ -55,11 +55,11 @@ AGREEMENT = [  # attention-heavy (none), Megatron selective, ZeRO-2 with full re
     dict(dp=2, tp=4, remat="none"),
     dict(dp=2, tp=4, remat="selective", stage=1, precision="bf16"),
     dict(dp=8, stage=2, remat="full"),
-    dict(dp=2, pp=2, tp=2, stage=1, remat="full", m=4),
-    dict(pp=4, tp=2, remat="none", m=8),  # 1F1B keeping 2p - 1 = 7 microbatches of full residuals on stage 0
+    pytest.param(dict(dp=2, pp=2, tp=2, stage=1, remat="full", m=4), marks=pytest.mark.slow),
+    pytest.param(dict(pp=4, tp=2, remat="none", m=8), marks=pytest.mark.slow),  # 1F1B keeping 2p - 1 = 7 microbatches of full residuals on stage 0
     dict(dp=2, tp=4, remat="selective", sp=True),  # sequence parallel: the residual stream split over tp
     dict(pp=2, tp=4, remat="full", m=4, sp=True),  # ... and the pipeline's stash and sends
-    dict(pp=4, tp=2, remat="full", m=8, schedule="zb"),  # zb keeps its linears' inputs and output gradients
+    pytest.param(dict(pp=4, tp=2, remat="full", m=8, schedule="zb"), marks=pytest.mark.slow),  # zb keeps its linears' inputs and output gradients
     dict(dp=2, cp=2, tp=2, stage=1, remat="none"),  # context parallelism: 1/cp of the tokens, all the keys
     dict(cp=4, tp=2, stage=3, remat="selective"),  # ... ZeRO-3 over cp
 ]
@@ -308,7 +308,7 @@ def test_planned_flops_match_the_compiled_step_without_pipeline(layout):
 
 PIPELINES = [dict(dp=1, pp=4, tp=1, remat="none", m=8), dict(dp=2, pp=2, tp=2, stage=1, remat="selective", m=4),
              pytest.param(dict(dp=2, pp=2, tp=2, remat="none", m=4, vla=True), marks=pytest.mark.slow),
-             dict(dp=1, pp=2, tp=1, remat="full", m=4, virtual=2), dict(dp=1, pp=4, tp=1, remat="none", m=4, schedule="zb")]
+             dict(dp=1, pp=2, tp=1, remat="full", m=4, virtual=2), pytest.param(dict(dp=1, pp=4, tp=1, remat="none", m=4, schedule="zb"), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("layout", PIPELINES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
