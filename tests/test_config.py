@@ -26,7 +26,7 @@ OTHER_KEYS = {
     "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float, "remat.policy": str,
     "hardware.peak_tflops": float, "pipeline.schedule": str, "pipeline.microbatches": int,
     "pipeline.virtual_stages": int, "pipeline.stage_recompute": bool,
-    "offload.optimizer": bool, "offload.master_weights": bool,
+    "offload.optimizer": bool, "offload.master_weights": bool, "offload.params": bool, "offload.update": str,
     "model.kind": str, "model.prefix_lm": bool, "model.text_loss": bool,
     "vision.image_size": int, "vision.patch_size": int, "vision.channels": int, "vision.cameras": int,
     "vision.width": int, "vision.depth": int, "vision.n_heads": int, "vision.mlp_dim": int,

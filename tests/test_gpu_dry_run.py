@@ -170,6 +170,24 @@ def test_zero3_prefetch_gathers_the_next_layer_during_this_layers_gemms(tmp_path
     assert gathers["bytes_overlapped"] >= gathers["bytes"] / 2 > 0
 
 
+def test_offloaded_parameters_come_in_by_async_copies_inside_the_layer_scan(tmp_path):
+    """offload.params (issue 32): each layer's shard is an async slice out of host memory, forward and backward;
+    the deviceless program moves the layers' shards to the host once at its start (a GPU run moves the
+    updated ones back at its end): 1 + 2 passes of the layers' shards over the host link. (XLA drops the
+    to-host-and-back of the embedding, head and final norm, which are not sliced: not counted here.)"""
+    done, report = dry_run(tmp_path, *TINY, "--gpu", "h100", "--config.mesh.dp=8", "--config.mesh.tp=1",
+                           "--config.zero.stage=3", "--config.remat.policy=full", "--config.model.n_layers=4",
+                           "--config.offload.params=true")
+    assert done.returncode == 0, done.stderr[-2000:]
+    per_device = report["per_device_bytes"]
+    assert per_device["params"] == 0 and per_device["params_host"] > 0
+    copies = overlap(report, "host-copy", "host")
+    vocab, d_model, dp, bf16 = 264, 64, 8, 2  # llama_tiny
+    outside_layers = (2 * vocab * d_model + d_model) * bf16 // dp  # embedding, head, final norm
+    assert copies["bytes"] == 3 * (per_device["params_host"] - outside_layers)
+    assert copies["bytes_overlapped"] > 0
+
+
 @pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow)])
 def test_dp_traffic_runs_beside_compute_without_a_pipeline(tmp_path, stage):
     """Issue 30: without a pipeline each layer's gradient is reduced inside the backward's layer scan

@@ -79,6 +79,16 @@ def _subtree_bytes(tree, keys) -> dict[str, int]:
     return bytes_by_memory_kind(leaves)
 
 
+def param_bytes(builder: StepBuilder, params, keys) -> dict[str, int]:
+    """{"device", "pinned_host"}: per-device bytes of the parameters under `keys`, placed as the run
+    places them (offload.params: jaxpar.parallel.step.StepBuilder.offloaded_params; read from the plan,
+    since a GPU dry run's shardings keep no memory kind)."""
+    host = builder.offloaded_params()
+    def total(selected):
+        return sum(_subtree_bytes(params, selected).values())
+    return {"device": total([k for k in keys if k not in host]), "pinned_host": total([k for k in keys if k in host])}
+
+
 def component_report(builder: StepBuilder, state) -> dict:
     """Each model component's layout and its per-device state bytes (params; master + optimizer)."""
     config = builder.config
@@ -91,9 +101,9 @@ def component_report(builder: StepBuilder, state) -> dict:
         layouts["vision+projector"] = {"keys": list(VISION_KEYS), **builder.vision.describe(builder.mesh)}
     for layout in layouts.values():
         keys = layout.pop("keys")
-        params, opt = _subtree_bytes(state.params, keys), _subtree_bytes((state.master, state.opt_state), keys)
-        layout.update(params_bytes=params.get("device", 0), opt_state_bytes=opt.get("device", 0),
-                      opt_state_host_bytes=opt.get("pinned_host", 0))
+        params, opt = param_bytes(builder, state.params, keys), _subtree_bytes((state.master, state.opt_state), keys)
+        layout.update(params_bytes=params.get("device", 0), params_host_bytes=params.get("pinned_host", 0),
+                      opt_state_bytes=opt.get("device", 0), opt_state_host_bytes=opt.get("pinned_host", 0))
     return layouts
 
 
@@ -110,10 +120,11 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
     mem = compiled.memory_analysis()
-    params = bytes_by_memory_kind(state.params)
+    params = param_bytes(builder, state.params, list(state.params))
     opt = bytes_by_memory_kind((state.master, state.opt_state))
     per_device = {
         "params": params.get("device", 0),
+        "params_host": params.get("pinned_host", 0),
         "opt_state": opt.get("device", 0),
         "opt_state_host": opt.get("pinned_host", 0),
         "argument": mem.argument_size_in_bytes,
@@ -207,7 +218,7 @@ def format_report(report: dict) -> str:
         f"dry run: {report['param_count']:,} params on {report['devices']} {_devices_text(report)} devices "
         f"({mesh}), ZeRO-{report['zero_stage']}, {report['precision']}; compiled in {report['compile_s']:.1f}s",
         "per-device bytes:",
-        f"  params     {b(pd['params']):>12}   (LLM ZeRO formula {b(an['params'])})",
+        f"  params     {b(pd['params']):>12}   (LLM ZeRO formula {b(an['params'])}; on host {b(pd['params_host'])})",
         f"  opt_state  {b(pd['opt_state']):>12}   (LLM ZeRO formula {b(an['opt_state'])}; on host {b(pd['opt_state_host'])})",
         f"  grads      {'(in temp)':>12}   (LLM ZeRO formula {b(an['grads'])})",
         f"  argument   {b(pd['argument']):>12}",
@@ -215,8 +226,9 @@ def format_report(report: dict) -> str:
         f"  temp       {b(pd['temp']):>12}",
         f"  peak       {b(pd['peak']):>12}   (argument + output - alias + temp)",
         "components:",
-        *(f"  {name:<17} {_layout_text(c)}: params {b(c['params_bytes'])}, optimizer {b(c['opt_state_bytes'])}"
-          f" (+ {b(c['opt_state_host_bytes'])} on host)" for name, c in report["components"].items()),
+        *(f"  {name:<17} {_layout_text(c)}: params {b(c['params_bytes'])} (+ {b(c['params_host_bytes'])} on host), "
+          f"optimizer {b(c['opt_state_bytes'])} (+ {b(c['opt_state_host_bytes'])} on host)"
+          for name, c in report["components"].items()),
         *gpu_text(report),
         flops_text(report),
         "collectives per step (optimised program; XLA:CPU shows bf16 collectives as f32):",
@@ -279,7 +291,7 @@ def flops_text(report: dict) -> str:
 
 
 def _layout_text(component: dict) -> str:
-    skip = {"params_bytes", "opt_state_bytes", "opt_state_host_bytes"}
+    skip = {"params_bytes", "params_host_bytes", "opt_state_bytes", "opt_state_host_bytes"}
     return ", ".join(f"{k}={v}" for k, v in component.items() if k not in skip and v is not None)
 
 

@@ -9,8 +9,8 @@ a model, a roofline walk of the schedule, not a measurement.
 The model:
 - A compiled GPU module is scheduled (`is_scheduled=true`): within a computation, instructions run in
   text order on one compute stream; async collectives (`*-start` .. `*-done`, or an `async-start`
-  wrapping one) run one after another on one communication stream, host copies (`copy-start`) on
-  their own.
+  wrapping one) run one after another on one communication stream, host copies (`copy-start`, and
+  a `fusion-start` slicing host memory: offload.params' per-layer copies) on their own.
 - A kernel (fusion, library call, copy, ...) costs max(FLOPs / (peak x MATMUL_EFFICIENCY), bytes /
   HBM bandwidth) + KERNEL_LAUNCH_S. FLOPs (jaxpar.compiler.hlo_collectives's): dots and convolutions inside it, cuBLAS
   GEMMs, cuDNN flash attention (hlo_flops.fmha_flops: 4 b h sq sk d forward, 2.5 times that backward, which
@@ -251,6 +251,10 @@ class _Walker:
             nbytes = _result_bytes(_first(ins["shape"]))
             self._start(ins["name"], ("host-copy", "host"), nbytes, nbytes / (self.hw.pcie_gbps * GB), "host", st)
             return True
+        if op == "fusion-start" and ":S(5)" in _first(ins["shape"]):  # an async slice out of host memory
+            nbytes = _nbytes(hlo_collectives._tuple_elems(ins["shape"])[1])  # (offload.params' per-layer copy)
+            self._start(ins["name"], ("host-copy", "host"), nbytes, nbytes / (self.hw.pcie_gbps * GB), "host", st)
+            return True
         if base not in hlo_collectives.OPS:
             return False
         key, nbytes, seconds = self.collective_cost(inner, base)
@@ -278,7 +282,7 @@ class _Walker:
         flight = st.pending.pop(ins["args"][0], None) if ins["args"] else None
         if flight is None and st.carried:  # started in another computation (a loop's previous iteration)
             kind = ins["op"][:-len("-done")]
-            match = [f for f in st.carried if f.key[0] == kind or kind in ("async", "copy")]
+            match = [f for f in st.carried if f.key[0] == kind or kind in ("async", "copy", "fusion")]
             flight = (match or st.carried)[0]
             st.carried.remove(flight)
         if flight is None:

@@ -4,7 +4,7 @@ a mistake costs no JAX start-up. jaxpar.config re-exports `validate` and the hel
 
 from __future__ import annotations
 
-from jaxpar.config.schema import (ATTENTION_KINDS, PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig,
+from jaxpar.config.schema import (ATTENTION_KINDS, OFFLOAD_UPDATES, PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig,
                                   Config, VisionConfig, vla_sequence_layout)
 from jaxpar.errors import ConfigError
 
@@ -18,6 +18,7 @@ def validate(config: Config) -> None:
     _validate_ranges(config)
     _validate_layout(config)
     _validate_eval_sources(config)  # after the layout checks, which name an unknown model.kind first
+    _validate_offload(config)
 
 
 def _validate_ranges(config: Config) -> None:
@@ -52,6 +53,21 @@ def _validate_ranges(config: Config) -> None:
                                 ("vision.attention", config.vision.attention, ("",) + ATTENTION_KINDS)):
         _require(value in allowed, f"{key}='{value}' is unknown; use one of {', '.join(ATTENTION_KINDS)}")
     profile_steps(config)  # raises on a malformed or out-of-range range
+
+
+def _validate_offload(config: Config) -> None:
+    """Parameter offload rides on ZeRO-3's per-layer gathers with full remat (the weights come in one
+    layer ahead and leave again); the host update needs state that lives on the host."""
+    off = config.offload
+    _require(off.update in OFFLOAD_UPDATES, f"offload.update='{off.update}' is unknown; use device or host")
+    if off.params:
+        _require(config.zero.stage == 3 and config.remat.policy == "full" and config.zero.prefetch,
+                 f"offload.params=true copies each layer's ZeRO-3 shard in one layer ahead, which needs zero.stage=3, "
+                 f"remat.policy=full and zero.prefetch=true (here {config.zero.stage}, {config.remat.policy}, "
+                 f"{str(config.zero.prefetch).lower()}); set them or turn offload.params off")
+    if off.update == "host":
+        _require(off.optimizer, "offload.update=host updates the optimizer state where it lives, on the host; "
+                                "set offload.optimizer=true too, or offload.update=device")
 
 
 def _validate_eval_sources(config: Config) -> None:

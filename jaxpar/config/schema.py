@@ -259,13 +259,25 @@ class DebugConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    """Optimizer-state offload: keep the optimizer state (and the fp32 master weights) in pinned host
-    memory between steps. Unlike DeepSpeed's ZeRO-Offload, the Adam step does not run on the CPU: the
-    state is moved to the device for the update and back (it saves memory between steps, not during the
-    update)."""
+    """Host (pinned CPU) memory for state the step does not need on the device all the time.
+
+    - `optimizer`: the optimizer state (and, with `master_weights`, the fp32 master weights) lives in
+      host memory between steps. With `update=device` it is moved to the device for the update and
+      back (it saves memory between steps, not during the update); with `update=host` the AdamW update
+      runs on the host where the state lives (DeepSpeed's CPU Adam), and only the gradients travel.
+    - `params` (ZeRO-3, remat full): the compute-dtype parameter shards live in host memory; each
+      layer's shard is copied to the device one layer ahead inside the layer scan, forward and backward
+      (jaxpar.parallel.zero.prefetching_layer_scan), so about two layers of parameters are on the device
+      at once; their gradient shards go back to host memory layer by layer.
+    """
 
     optimizer: bool = False
     master_weights: bool = True  # with optimizer=true and precision=bf16: the fp32 master goes to host too
+    params: bool = False
+    update: str = "device"  # device | host: where the optimizer update of offloaded state runs
+
+
+OFFLOAD_UPDATES = ("device", "host")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -239,7 +239,9 @@ class Collectives:
                                                 self.grad_reduce_dtype)(w)
             return checkpoint_name(full, self.zero_hooks.gathered_name)
 
-        return chain_both_ways(gather, params, logical_axes, start=start)
+        structure = jax.tree.structure(logical_axes, is_leaf=is_axes_leaf)  # offload.params: (host, sink) pairs
+        shards = structure.unflatten([self.zero_hooks.fetch(w) for w in structure.flatten_up_to(params)])
+        return chain_both_ways(gather, shards, logical_axes, start=start)
 
     def scan_layers(self, layer_fn: Callable, x: jax.Array, stacked: Any, layer_axes: Any,
                     remat_policy: Callable | None = None) -> jax.Array:

@@ -50,7 +50,7 @@ from jaxpar.parallel.zero import StateSpecs, ZeroPlan, reduce_gradients
 from jaxpar.sharding import CP, DP, data_axes, kv_head_ways, kv_heads_replicated, llm_rules, tensor_axes, tp_split_of, zero_dim
 
 
-HOST = "pinned_host"  # memory kind of offloaded optimizer state
+HOST = "pinned_host"  # memory kind of offloaded state (optimizer state, master weights, offload.params' params)
 VISION_KEYS = ("vit", "projector")  # the VLA's vision component in the parameter tree
 
 
@@ -88,9 +88,16 @@ def _gather_axes(source: P, target: P):
 def _check_host_memory(config: Config, mesh) -> None:
     """Offload needs a host memory space on the devices; say so at start, not in XLA."""
     wants = [key for key, on in (("offload.optimizer=true", config.offload.optimizer),
+                                  ("offload.params=true", config.offload.params),
                                   ("remat.policy=offload", config.remat.policy == "offload")) if on]
     device = mesh.devices.flat[0]
-    if wants and HOST not in {m.kind for m in device.addressable_memories()}:
+    kinds = {m.kind for m in device.addressable_memories()}
+    if not kinds:  # a GPU dry run's devices (GPUs have host memory, but these keep no memory kinds)
+        if config.offload.optimizer:
+            raise ConfigError("a GPU dry run cannot place offload.optimizer's state in host memory (its deviceless "
+                              "devices keep no memory kinds); dry-run it without --gpu, or ask python -m jaxpar.plan")
+        return
+    if wants and HOST not in kinds:
         raise ConfigError(f"{' and '.join(wants)} needs '{HOST}' memory, which {device.platform.upper()} devices "
                           f"here do not have; turn offload off")
 
@@ -139,14 +146,29 @@ class StepBuilder:
         return optax.tree_map_params(self.tx, lambda _, spec: spec, abstract_opt, self.specs.opt,
                                      transform_non_params=lambda _: P(), is_leaf=_is_spec)
 
+    def _deviceless(self) -> bool:
+        """A GPU dry run's devices (jax.experimental.topologies): no memories listed, no memory kinds kept."""
+        return not self.mesh.devices.flat[0].addressable_memories()
+
+    def offloaded_params(self) -> frozenset:
+        """Top-level parameter keys kept in host memory (offload.params: the LLM's ZeRO-3 shards; the
+        vision encoder is never ZeRO-3)."""
+        if not self.config.offload.params:
+            return frozenset()
+        return frozenset(k for k in self._param_shapes() if k not in VISION_KEYS)
+
     def state_shardings(self, on_device: bool = False) -> TrainState:
         """Where the state lives between steps; `on_device` gives the layout the update runs in."""
         offload = self.config.offload
         opt_kind = HOST if offload.optimizer and not on_device else None
         master_kind = HOST if offload.optimizer and offload.master_weights and not on_device else None
+        params = self._named(self.specs.params)
+        if not on_device:
+            params = {k: jax.tree.map(lambda s: s.with_memory_kind(HOST), v) if k in self.offloaded_params() else v
+                      for k, v in params.items()}
         return TrainState(
             step=NamedSharding(self.mesh, P()),
-            params=self._named(self.specs.params),
+            params=params,
             master=self._named(self.specs.opt, master_kind) if self.bf16 else None,
             opt_state=self._named(self._opt_state_specs(), opt_kind),
             skipped=NamedSharding(self.mesh, P()),
@@ -305,6 +327,9 @@ class StepBuilder:
             params = jax.tree.map(lambda w, axes: jax.lax.slice_in_dim(w, 0, w.shape[zero_dim(axes)] // dp,
                                                                        axis=zero_dim(axes)), frozen, self.axes)
             with_weights = lambda t: jax.tree.map(lambda full, tap: (full, tap), frozen, t)  # noqa: E731
+        elif self.config.offload.params:  # host weights, copied in per use; their gradients go to device sinks
+            host, params = params, zero.gradient_sinks(params)
+            with_weights = lambda sinks: zero.with_host_weights(host, sinks)  # noqa: E731
         else:
             with_weights = lambda p: p  # noqa: E731
 
@@ -456,6 +481,12 @@ class StepBuilder:
     # ------------------------------------------------------------------ the step
     def train_step(self, state: TrainState, batch: dict, with_grads: bool = False):
         """One optimizer step; `with_grads` also returns the gradients (for the equivalence tests)."""
+        if self.config.offload.params and self._deviceless():
+            # A GPU dry run's devices carry no memory kinds, so the offloaded parameters arrive typed as device
+            # memory: move them to the host first. A GPU run moves the same bytes at the end of its step (the
+            # updated parameters back to the host); the per-layer copies in the layer scan are the same.
+            state = state.replace(params={k: jax.device_put(v, jax.memory.Space.Host) if k in self.offloaded_params()
+                                          else v for k, v in state.params.items()})
         loss, grads, grad_norm = self.loss_and_grads(state.params, batch)
         # Each dp rank updates only its optimizer shard: slice (ZeRO-1) before widening to fp32.
         grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.opt))
@@ -464,10 +495,13 @@ class StepBuilder:
             poison = jnp.where(state.step + 1 == self.config.debug.nan_at_step, jnp.nan, 0.0)
             grads = jax.tree.map(lambda g: g + poison, grads)
             grad_norm = grad_norm + poison
-        if self.config.offload.optimizer:  # host -> device for the update only; outputs go back to host
-            on_device = self.state_shardings(on_device=True)
+        offload = self.config.offload
+        if offload.optimizer or (offload.params and not self.bf16):  # host -> device for the update only;
+            on_device = self.state_shardings(on_device=True)      # the outputs go back to the host
             state = state.replace(opt_state=jax.device_put(state.opt_state, on_device.opt_state),
                                   master=jax.device_put(state.master, on_device.master))
+            if not self.bf16:  # fp32: the parameters are the update's target
+                state = state.replace(params=jax.device_put(state.params, on_device.params))
         # NaN guard: a step whose loss or gradients are not finite is not applied (the data is consumed).
         # `finite` comes from all-reduced values, so every device takes the same branch, and the
         # branches hold no collective (clipping reuses grad_norm). A cond, not a where(finite, new, old)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.layers.collectives import varying_of
 from jaxpar.layers.order import after, after_p, chain
 from jaxpar.sharding import Rules, is_axes_leaf, llm_rules, tree_specs, unused_mesh_axes, zero_dim
 
@@ -160,6 +161,41 @@ def reduce_tap(axis, reduce_dtype):
     return tap
 
 
+def on_host(w) -> bool:
+    return getattr(jax.typeof(w), "memory_space", None) == jax.memory.Space.Host
+
+
+@jax.custom_vjp
+def fetch(host: jax.Array, sink: jax.Array) -> jax.Array:
+    """offload.params: a weight kept in host memory, copied to the device for its use. Its gradient
+    goes to `sink`, a device array of the weight's shape and type whose value is never read (XLA drops
+    it): differentiating the host weight itself would type its gradient as host memory and send it
+    there, to come straight back for the update."""
+    return jax.device_put(host, jax.memory.Space.Device)
+
+
+fetch.defvjp(lambda host, sink: (fetch(host, sink), None), lambda _, cotangent: (None, cotangent))
+
+
+def with_host_weights(host: Any, sinks: Any) -> Any:
+    """(host weight, gradient sink) pairs where the weight lives in host memory (the sinks elsewhere):
+    the form `gather_weight` and `prefetching_layer_scan` take under offload.params."""
+    return jax.tree.map(lambda h, s: (h, s) if on_host(h) else s, host, sinks)
+
+
+def gradient_sinks(host: Any) -> Any:
+    """Device stand-ins for host weights, typed alike (shape, dtype, varying axes); see `fetch`."""
+    def sink(w):
+        zeros, axes = jnp.zeros(w.shape, w.dtype), tuple(sorted(varying_of(jax.typeof(w))))
+        return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+    return jax.tree.map(sink, host)
+
+
+def fetched(w: Any) -> jax.Array:
+    """A weight to compute with: `fetch`ed from a (host, sink) pair, else as it is."""
+    return fetch(*w) if isinstance(w, tuple) else w
+
+
 def gather_weight(axis, dim: int, reduce_dtype):
     """ZeRO-3's all-gather of a dp-sharded weight; its transpose reduce-scatters the gradient, in
     `reduce_dtype` when one is given (fp32 sums of bf16 weights' gradients), else the weight's dtype."""
@@ -211,13 +247,24 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
     each layer's input is kept for the backward (full remat), never a gathered weight.
     """
     dims = jax.tree.map(lambda axes: axes.index(zero_logical), layer_axes, is_leaf=is_axes_leaf)
+    # offload.params: (host shards, gradient sinks) pairs; each layer's shard is copied in by its gather,
+    # so the copy runs one layer ahead like the gather, and the gradients go to the sinks (`fetch`)
+    axes_leaves, structure = jax.tree.flatten(layer_axes, is_leaf=is_axes_leaf)
+    leaves = structure.flatten_up_to(stacked_shards)
+    host_leaves = [leaf[0] if isinstance(leaf, tuple) else None for leaf in leaves]
+    stacked_shards = structure.unflatten([leaf[1] if isinstance(leaf, tuple) else leaf for leaf in leaves])
+    hosts = structure.unflatten(host_leaves)
     n_layers = jax.tree.leaves(stacked_shards)[0].shape[0]
 
     # On XLA:CPU every collective below runs in one order (jaxpar.layers.order): each group of gathers
     # or scatters is chained after what came before it, and each layer's compute after both.
     def gather(shards, i, start):
-        return chain(lambda w, d: jax.lax.all_gather(w, axis, axis=d, tiled=True), _layer(shards, i), dims,
-                     start=start)
+        def one(shard, host):  # offloaded: the slice itself meets the device copy (one async copy on XLA:GPU)
+            if host is None:
+                return jax.lax.dynamic_index_in_dim(shard, i, keepdims=False)
+            return jax.device_put(jax.lax.dynamic_slice_in_dim(host, i, 1), jax.memory.Space.Device)[0]
+        layer = structure.unflatten([one(s, h) for s, h in zip(structure.flatten_up_to(shards), host_leaves)])
+        return chain(lambda w, d: jax.lax.all_gather(w, axis, axis=d, tiled=True), layer, dims, start=start)
 
     def scatter(full_grads, start):
         return chain(lambda g, d: _scatter(g, axis, d, reduce_dtype), full_grads, dims, start=start)
@@ -281,8 +328,9 @@ class LayerHooks:
     grad_tap: Callable
     reduce_tap: Callable
     gather_weight: Callable
+    fetch: Callable
     prefetching_layer_scan: Callable
     gathered_name: str
 
 
-LAYER_HOOKS = LayerHooks(grad_tap, reduce_tap, gather_weight, prefetching_layer_scan, ZERO3_GATHERED)
+LAYER_HOOKS = LayerHooks(grad_tap, reduce_tap, gather_weight, fetched, prefetching_layer_scan, ZERO3_GATHERED)

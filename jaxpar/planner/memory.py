@@ -174,20 +174,65 @@ def microbatch(config: Config) -> int:
     return train.global_batch_size // mesh.dp // splits
 
 
-def _states(config: Config, counts: dict, c: int, target: str) -> dict:
-    """Model-state bytes per device (ZeRO table) and where the optimizer state lives."""
+def optimizer_params(config: Config, counts: dict) -> float:
+    """Parameters one device's optimizer updates: its ZeRO 1-3 shard (1/dp of the LLM, 1/(devices /
+    vision.tp) of the encoder), or all it holds at ZeRO-0."""
     dp, z, vz = data_ways(config), config.zero.stage, config.vision.zero.stage
     dv = vision_data_ways(config) if config.model.kind == "vla" else 1
     llm = counts["llm_layers"] + counts["llm_rest"]
-    opt_params = llm / (dp if z >= 1 else 1) + counts["vision"] / (dv if vz >= 1 else 1)
+    return llm / (dp if z >= 1 else 1) + counts["vision"] / (dv if vz >= 1 else 1)
+
+
+def offloaded_params(config: Config, counts: dict, c: int) -> dict[str, float]:
+    """offload.params (ZeRO-3, full remat, prefetch): the LLM's compute-dtype shards (every LLM leaf,
+    jaxpar.parallel.step's offloaded_params; the encoder stays) live in host memory. The device keeps
+    only the shards in flight: the layer computing and the one copied in ahead of it (their gathered
+    full weights are the backward's prefetch term, _gradients, as without offload)."""
+    if not config.offload.params:
+        return {"host": 0.0, "in_flight": 0.0}
+    dp = data_ways(config)
+    per_layer = counts["llm_layers"] / (config.model.n_layers // config.mesh.pp)
+    return {"host": c * (counts["llm_layers"] + counts["llm_rest"]) / dp, "in_flight": 2 * c * per_layer / dp}
+
+
+def _states(config: Config, counts: dict, c: int, target: str) -> dict:
+    """Model-state bytes per device (ZeRO table) and where the optimizer state and (offload.params) the
+    parameters live. `params` is every compute-dtype byte one device owns, wherever it lives;
+    `params_device` what of it is in device memory (on the CPU target all of it: XLA:CPU's memory
+    analysis counts host bytes as device bytes)."""
+    z = config.zero.stage
+    llm = counts["llm_layers"] + counts["llm_rest"]
+    opt_params = optimizer_params(config, counts)
     master = 4 * opt_params if config.precision == "bf16" else 0.0
     adam = 8 * opt_params
     off = config.offload
     host = (adam if off.optimizer else 0.0) + (master if off.optimizer and off.master_weights else 0.0)
-    out = {"params": c * (llm / (dp if z >= 3 else 1) + counts["vision"]), "master": master,
+    moved = offloaded_params(config, counts, c)
+    params = c * (llm / (data_ways(config) if z >= 3 else 1) + counts["vision"])
+    params_device = params if target == "cpu" else params - moved["host"] + moved["in_flight"]
+    out = {"params": params, "params_device": params_device, "params_on_host": moved["host"], "master": master,
            "optimizer": adam, "opt_on_host": host, "opt_params": opt_params}
-    out["device_state"] = out["params"] + master + adam - (0.0 if target == "cpu" else host)
+    out["device_state"] = params_device + master + adam - (0.0 if target == "cpu" else host)
     return out
+
+
+def host_update(config: Config) -> bool:
+    """offload.update=host: AdamW runs on the host CPU where the offloaded state lives."""
+    return config.offload.optimizer and config.offload.update == "host"
+
+
+def grad_bytes(config: Config) -> int:
+    """Bytes per element of the reduced gradients (grad_reduce's dtype; fp32 runs reduce fp32)."""
+    return 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
+
+
+def host_memory(config: Config, st: dict) -> dict[str, float]:
+    """Pinned host bytes one device's process holds: the offloaded optimizer state (and master), the
+    offloaded parameter shards, and with the host update the gradient shard it receives (fp32 once
+    widened for Adam: 4 bytes per optimizer-sharded element)."""
+    grads = 4 * st["opt_params"] if host_update(config) else 0.0
+    return {"optimizer": st["opt_on_host"], "params": st["params_on_host"], "gradients": grads,
+            "total": st["opt_on_host"] + st["params_on_host"] + grads}
 
 
 def _activations(config: Config, c: int, target: str) -> dict:
@@ -348,26 +393,32 @@ def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.
     reduced = (4 * llm / (dp if z >= 2 else 1)) if target == "cpu" and bf16 else gr["reduced"]
     clipped = 4 * st["opt_params"] if config.train.grad_clip > 0 else 0.0
     moved_in = _largest_offloaded_leaf(config, counts, st) if target == "gpu" else 0.0
-    update = reduced + clipped + 8 * _largest_leaf(config) + moved_in
+    adam_work = 8 * _largest_leaf(config) + moved_in
+    if host_update(config):  # Adam runs on the host: the device only holds the gradients it sends there
+        adam_work = 0.0
+    update = reduced + clipped + adam_work
     if config.mesh.pp > 1:
         update += 4 * llm  # the fp32 accumulators are still live when the reduction starts
-    freed = st["params"] if bf16 else 0.0
+    freed = st["params_device"] if bf16 else 0.0
     update = max(update - freed, 0.0)
     if target == "gpu" and not st["opt_on_host"]:  # XLA's GPU conditional writes the whole new optimizer
         # state (master, m, v) to fresh buffers, copied into the donated ones after it; each leaf's gradient
         # dies once its Adam has run, so the conditional peaks at its end: the new state and the last leaf's
         # Adam temporaries. (Offloaded state keeps the terms above: without a device the GPU compiler has no
         # pinned host memory, so no GPU program has checked them.)
-        update = st["device_state"] - st["params"] + 8 * _largest_leaf(config)
+        update = st["device_state"] - st["params_device"] + 8 * _largest_leaf(config)
         update = max(update, _dp_reduction(config, gr["reduced"]))
     temp = max(backward, update)
-    per_device = {"params": st["params"], "master": st["master"], "optimizer": st["optimizer"],
+    host = host_memory(config, st)
+    per_device = {"params": st["params"], "params_on_host": st["params_on_host"] if target == "gpu" else 0.0,
+                  "master": st["master"], "optimizer": st["optimizer"],
                   "optimizer_on_host": st["opt_on_host"], "gradients": gr["backward"],
                   "activations": act["saved"] + act.get("vision_saved", 0.0) + act["pipeline_buffers"],
                   "activations_on_host": act["saved_host"] if target == "gpu" else 0.0,
                   "working_set": max(act["working_set"], vision_work),
                   "cpu_widening": cpu_weights + act["cpu_f32_twins"],
                   "backward_phase": backward, "update_phase": update,
-                  "state": st["device_state"], "temp": temp, "peak": st["device_state"] + temp}
+                  "state": st["device_state"], "temp": temp, "peak": st["device_state"] + temp,
+                  "host_gradients": host["gradients"], "host_total": host["total"]}
     return {"per_device_bytes": per_device, "param_counts": counts, "microbatch": microbatch(config),
             "seq_len": seq_len(config), "target": target, "phase": "backward" if backward >= update else "update"}
