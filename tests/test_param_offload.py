@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import builder_for, make_config
-from jaxpar.config import ModelConfig, OffloadConfig, RematConfig, ZeroConfig, validate
+from jaxpar.config import DebugConfig, ModelConfig, OffloadConfig, RematConfig, ZeroConfig, validate
 from jaxpar.compiler.dry_run import dry_run
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.step import HOST
@@ -74,3 +74,32 @@ def test_host_update_needs_the_optimizer_on_the_host_and_a_known_place():
         validate(dataclasses.replace(make_config(), offload=OffloadConfig(update="host")))
     with pytest.raises(ConfigError, match="offload.update='cpu' is unknown"):
         validate(dataclasses.replace(make_config(), offload=OffloadConfig(update="cpu")))
+
+
+# ----------------------------------------------------------------------------- the update on the host
+
+
+@pytest.mark.parametrize("precision, layout", [("fp32", dict(dp=2, tp=2, stage=1)),
+                                               pytest.param("bf16", dict(dp=4, stage=3), marks=pytest.mark.slow)])
+def test_host_update_gives_the_device_updates_bits(precision, layout):
+    """offload.update=host runs AdamW where the state lives; the same arithmetic as on the device (XLA:CPU),
+    so the same bits: losses and final parameters, state left on the host."""
+    base = dataclasses.replace(make_config(precision=precision, **layout), remat=FULL)
+    on_device = dataclasses.replace(base, offload=OffloadConfig(optimizer=True))
+    on_host = dataclasses.replace(base, offload=OffloadConfig(optimizer=True, update="host",
+                                                              params=layout["stage"] == 3))
+    _, device_losses, device_state = run(on_device)
+    _, host_losses, host_state = run(on_host)
+    np.testing.assert_array_equal(host_losses, device_losses)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 jax.device_get(host_state.params), jax.device_get(device_state.params))
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(host_state.opt_state)} == {HOST}
+
+
+def test_host_update_skips_a_step_whose_gradients_are_not_finite():
+    config = dataclasses.replace(make_config(dp=2, stage=1), offload=OffloadConfig(optimizer=True, update="host"),
+                                 debug=DebugConfig(nan_at_step=2))
+    _, losses, state = run(config)
+    _, ref_losses, _ = reference()
+    np.testing.assert_allclose(losses[:2], ref_losses[:2], rtol=LOSS_RTOL)  # step 2's update is not applied:
+    assert int(state.skipped) == 1 and not np.isclose(losses[2], ref_losses[2], rtol=1e-6)  # step 3 differs

@@ -20,7 +20,7 @@ from conftest import builder_for, make_config
 from jaxpar.compiler import dry_run as dr
 from jaxpar.config import (Config, MeshConfig, ModelConfig, PipelineConfig, RematConfig, TrainConfig, ZeroConfig,
                            load_config, validate)
-from jaxpar.planner import cost, memory, recommend
+from jaxpar.planner import cost, memory, offload, recommend
 from jaxpar.compiler import hardware
 from test_dry_run import hand_train_flops
 
@@ -432,3 +432,81 @@ def test_pipelined_dp_reduction_hides_the_head_and_interleaved_chunks():
         t = times(virtual)
         assert t["dp_comm_s"] == pytest.approx((2 * 4 + 2) * ring * (layers + head + embed), rel=1e-12)
         assert t["dp_exposed_s"] == pytest.approx(t["dp_comm_s"] - 2 * 4 * ring * hidden, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- host offload
+
+PSI_7B = 6_738_415_616  # llama7b's parameters (test_state_terms_are_the_zero_table)
+
+
+def llama7b(*overrides):
+    return load_config("llama7b.py", ["mesh.dp=8", "mesh.tp=1", *overrides])
+
+
+def test_offload_params_moves_the_shards_to_host_but_two_layers():
+    """offload.params: the device state loses the LLM's compute-dtype ZeRO-3 shards (2 Psi / dp) but
+    the two layers' shards in flight; the host gains all of them."""
+    base = memory.estimate(llama7b("zero.stage=3"))["per_device_bytes"]
+    off = memory.estimate(llama7b("zero.stage=3", "offload.params=true"))["per_device_bytes"]
+    shards = 2 * PSI_7B / 8
+    layer_shard = 2 * memory.local_params(llama7b("zero.stage=3"))["llm_layers"] / 32 / 8
+    assert off["params_on_host"] == pytest.approx(shards)
+    assert base["state"] - off["state"] == pytest.approx(shards - 2 * layer_shard)
+    assert off["host_total"] == pytest.approx(shards) and base["host_total"] == 0
+    assert off["peak"] < base["peak"]
+
+
+def test_host_update_moves_fewer_link_bytes_than_device_update_by_the_formula():
+    """update=device moves master + m + v (12 B) in and out per optimizer-sharded parameter; update=host
+    moves the fp32 gradient out (4 B) and the bf16 parameter in (2 B); with offload.params the
+    parameters stay on the host but come in twice per microbatch (forward, full-remat backward)."""
+    p = PSI_7B / 8
+    device = offload.link_bytes(llama7b("zero.stage=2", "offload.optimizer=true"))
+    host = offload.link_bytes(llama7b("zero.stage=2", "offload.optimizer=true", "offload.update=host"))
+    assert device["total"] == pytest.approx(2 * 12 * p) and device["to_device"] == pytest.approx(12 * p)
+    assert host["total"] == pytest.approx((4 + 2) * p) and host["from_device"] == pytest.approx(4 * p)
+    assert device["total"] - host["total"] == pytest.approx(18 * p)
+    params = offload.link_bytes(llama7b("zero.stage=3", "offload.params=true", "offload.optimizer=true",
+                                        "offload.update=host", "train.grad_accum=2", "train.global_batch_size=16"))
+    assert params["params_in"] == pytest.approx(2 * 2 * 2 * p) and params["updated_params_in"] == 0
+    assert params["total"] == pytest.approx(8 * p + 4 * p)
+
+
+def test_host_link_time_is_bytes_over_pcie_and_only_the_prefetch_overlaps():
+    hw, slow = hardware.get("a100-80gb"), dataclasses.replace(hardware.get("a100-80gb"), pcie_gbps=32.0)
+    config = llama7b("zero.stage=2", "offload.optimizer=true")
+    t, t_slow = cost.step_time(config, hw, 8), cost.step_time(config, slow, 8)
+    moved = 2 * 12 * PSI_7B / 8
+    assert t["host_link_s"] == pytest.approx(moved / 64e9) and t["host_link_exposed_s"] == t["host_link_s"]
+    assert t_slow["step_s"] - t["step_s"] == pytest.approx(moved / 32e9 - moved / 64e9)
+    prefetch = llama7b("zero.stage=3", "offload.params=true")
+    p = cost.step_time(prefetch, hw, 8)
+    copies_s, updated_out_s = 2 * 2 * PSI_7B / 8 / 64e9, 2 * PSI_7B / 8 / 64e9
+    assert p["host_link_s"] == pytest.approx(copies_s + updated_out_s)
+    assert p["host_link_exposed_s"] == pytest.approx(copies_s / 32 + updated_out_s)  # one layer's copy, the step end
+    base = cost.step_time(llama7b("zero.stage=3"), hw, 8)
+    assert p["step_s"] - base["step_s"] == pytest.approx(p["host_link_exposed_s"])
+
+
+def test_host_update_is_adamw_bytes_at_the_hosts_memory_bandwidth():
+    """update=host: 16 B read + 12 B written + the bf16 parameter per element at the node's assumed
+    host bandwidth shared by its 8 GPUs; the device's optimizer kernels and Adam temporaries go."""
+    hw = hardware.get("a100-80gb")
+    device_cfg = llama7b("zero.stage=2", "offload.optimizer=true")
+    host_cfg = llama7b("zero.stage=2", "offload.optimizer=true", "offload.update=host")
+    t = cost.step_time(host_cfg, hw, 8)
+    assert t["host_adam_s"] == pytest.approx(30 * PSI_7B / 8 / (offload.HOST_MEMORY_GBPS["a100-80gb"] * 1e9 / 8))
+    assert t["memory_parts"]["optimizer"] == 0 and cost.step_time(device_cfg, hw, 8)["memory_parts"]["optimizer"] > 0
+    dev, host = (memory.estimate(c)["per_device_bytes"] for c in (device_cfg, host_cfg))
+    assert host["update_phase"] < dev["update_phase"]
+    assert host["host_total"] - dev["host_total"] == pytest.approx(4 * PSI_7B / 8)  # the fp32 gradient shard
+
+
+def test_plan_report_shows_host_memory_and_link_when_offloading():
+    from jaxpar.planner import report
+    hw = hardware.get("a100-80gb")
+    text = report.format_plan(report.plan(llama7b("zero.stage=3", "offload.params=true"), hw, 8))
+    assert "host memory per device (GB): 1.68" in text and "parameter shards in" in text
+    assert "host link (PCIe, offload)" in text
+    plain = report.format_plan(report.plan(llama7b("zero.stage=3"), hw, 8))
+    assert "host link" not in plain and "in host memory" not in plain

@@ -66,8 +66,9 @@ def _validate_offload(config: Config) -> None:
                  f"remat.policy=full and zero.prefetch=true (here {config.zero.stage}, {config.remat.policy}, "
                  f"{str(config.zero.prefetch).lower()}); set them or turn offload.params off")
     if off.update == "host":
-        _require(off.optimizer, "offload.update=host updates the optimizer state where it lives, on the host; "
-                                "set offload.optimizer=true too, or offload.update=device")
+        _require(off.optimizer and (off.master_weights or config.precision == "fp32"),
+                 "offload.update=host updates the optimizer state where it lives, on the host; set "
+                 "offload.optimizer=true (and offload.master_weights=true with bf16) too, or offload.update=device")
 
 
 def _validate_eval_sources(config: Config) -> None:

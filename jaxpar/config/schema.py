@@ -267,8 +267,8 @@ class OffloadConfig:
       runs on the host where the state lives (DeepSpeed's CPU Adam), and only the gradients travel.
     - `params` (ZeRO-3, remat full): the compute-dtype parameter shards live in host memory; each
       layer's shard is copied to the device one layer ahead inside the layer scan, forward and backward
-      (jaxpar.parallel.zero.prefetching_layer_scan), so about two layers of parameters are on the device
-      at once; their gradient shards go back to host memory layer by layer.
+      (jaxpar.parallel.zero.prefetching_layer_scan), so only the layers being gathered are on the device;
+      the gradients stay on the device (docs/design.md "Host memory").
     """
 
     optimizer: bool = False

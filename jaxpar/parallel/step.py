@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config, carries_instruction_bytes, image_tokens
@@ -496,6 +497,8 @@ class StepBuilder:
             grads = jax.tree.map(lambda g: g + poison, grads)
             grad_norm = grad_norm + poison
         offload = self.config.offload
+        if offload.update == "host":
+            return self._step_updating_on_host(state, loss, grads, grad_norm, with_grads)
         if offload.optimizer or (offload.params and not self.bf16):  # host -> device for the update only;
             on_device = self.state_shardings(on_device=True)      # the outputs go back to the host
             state = state.replace(opt_state=jax.device_put(state.opt_state, on_device.opt_state),
@@ -522,6 +525,9 @@ class StepBuilder:
             master, params = target, jax.tree.map(lambda w: w.astype(self.compute_dtype), target)
         else:
             master, params = None, target
+        return self._finish_step(state, loss, grads, grad_norm, finite, params, master, opt_state, with_grads)
+
+    def _finish_step(self, state, loss, grads, grad_norm, finite, params, master, opt_state, with_grads):
         params = self._gather_params(params)
         new_state = TrainState(step=state.step + 1, params=params, master=master, opt_state=opt_state,
                                skipped=state.skipped + (~finite).astype(state.skipped.dtype))
@@ -531,6 +537,31 @@ class StepBuilder:
         if with_grads:
             metrics["grads"] = grads
         return new_state, metrics
+
+    def _step_updating_on_host(self, state, loss, grads, grad_norm, with_grads):
+        """offload.update=host: the AdamW update runs on the host, where the optimizer state and master
+        weights live (DeepSpeed's CPU Adam; jax.experimental.compute_on), so the state never visits the
+        device: the gradient shards go to the host and the updated compute-dtype parameters come back.
+        The NaN guard selects on the host (host memory is not the scarce kind)."""
+        on_host = lambda tree: jax.device_put(tree, self._named(self.specs.opt, HOST))  # noqa: E731
+        scalars = NamedSharding(self.mesh, P(), memory_kind=HOST)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        target = state.master if self.bf16 else state.params
+
+        @compute_on("device_host")
+        @jax.jit
+        def update(grads, opt_state, target, grad_norm, finite):
+            updates, new_opt_state = self.tx.update(grads, opt_state, target, grad_norm=grad_norm)
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_target = jax.tree.map(keep, optax.apply_updates(target, updates), target)
+            return new_target, jax.tree.map(keep, new_opt_state, opt_state), jax.tree.map(
+                lambda w: w.astype(self.compute_dtype), new_target)
+
+        target, opt_state, params = update(on_host(grads), state.opt_state, on_host(target),
+                                           jax.device_put(grad_norm, scalars), jax.device_put(finite, scalars))
+        params = jax.device_put(params, self._named(self.specs.opt))  # the gather (ZeRO 1-2) runs on the device
+        return self._finish_step(state, loss, grads, grad_norm, finite, params, target if self.bf16 else None,
+                                 opt_state, with_grads)
 
     def _gather_params(self, params):
         """The updated weights from the optimizer's layout into the parameters' (ZeRO 1 and 2: an

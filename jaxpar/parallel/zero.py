@@ -249,11 +249,10 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
     dims = jax.tree.map(lambda axes: axes.index(zero_logical), layer_axes, is_leaf=is_axes_leaf)
     # offload.params: (host shards, gradient sinks) pairs; each layer's shard is copied in by its gather,
     # so the copy runs one layer ahead like the gather, and the gradients go to the sinks (`fetch`)
-    axes_leaves, structure = jax.tree.flatten(layer_axes, is_leaf=is_axes_leaf)
+    structure = jax.tree.structure(layer_axes, is_leaf=is_axes_leaf)
     leaves = structure.flatten_up_to(stacked_shards)
     host_leaves = [leaf[0] if isinstance(leaf, tuple) else None for leaf in leaves]
     stacked_shards = structure.unflatten([leaf[1] if isinstance(leaf, tuple) else leaf for leaf in leaves])
-    hosts = structure.unflatten(host_leaves)
     n_layers = jax.tree.leaves(stacked_shards)[0].shape[0]
 
     # On XLA:CPU every collective below runs in one order (jaxpar.layers.order): each group of gathers

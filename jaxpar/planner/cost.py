@@ -21,6 +21,8 @@ overlapped with compute (jaxpar issues them in line; XLA may overlap some, so th
 bubble's seconds are the idle slots' share of the layers' executed FLOPs (= the table's
 bubble_fraction weighted by these slot costs), applied to the layer
 compute and its tp all-reduces: masked slots compute and communicate like busy ones.
+Host offload (offload.optimizer / offload.params) adds its host-link (PCIe) seconds and, with
+offload.update=host, the host CPU's AdamW: planner/offload.py, which says what of it overlaps.
 Placement follows jaxpar.parallel.mesh: tp fastest-varying (inside a node when tp <= GPUs per node), pp next,
 dp outermost.
 """
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from jaxpar.config import Config, patches_per_image
 from jaxpar.models.flops import model_flops_per_step
-from jaxpar.planner import traffic
+from jaxpar.planner import offload, traffic
 from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.parallel.pipeline import activation_collectives
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
@@ -291,12 +293,15 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
                        + comm["cp_comm_s"])
     comm["pp_exposed_s"] = comm["pp_comm_s"] - min(comm["pp_sends_s"], busy_layers_s + bubble_s)
     without_overlap += comm["vision_dp_s"]
+    # host offload (planner/offload.py): the host link (parameter copies hidden behind the layers) and the host update
+    host = offload.step_terms(config, hw, gpus_per_node, busy_layers_s)
+    without_overlap += host["host_link_s"] + host["host_adam_s"]
     total = (without_overlap - comm["dp_comm_s"] + comm["dp_exposed_s"] - comm["tp_comm_s"] + comm["tp_exposed_s"]
-             - comm["pp_comm_s"] + comm["pp_exposed_s"])
+             - comm["pp_comm_s"] + comm["pp_exposed_s"] - host["host_link_s"] + host["host_link_exposed_s"])
     tokens = config.train.global_batch_size * seq_len(config)
     return {"compute_s": compute_s, "matmul_s": compute_s - hbm["memory_s"] - hbm["launch_s"],
             "memory_s": hbm["memory_s"], "memory_parts": hbm["memory_parts"], "launch_s": hbm["launch_s"],
             "bubble_s": bubble_s, "step_s": total, "step_s_no_overlap": without_overlap,
-            **comm,
+            **comm, **host,
             "mfu": flops["model_flops"] / (total * config.mesh.size * hw.peak_flops),
             "tokens_per_s": tokens / total, **flops}

@@ -127,7 +127,9 @@ def describe(config: Config) -> str:
     mesh, p = config.mesh, config.mesh.pp
     split = f"m={config.pipeline.microbatches} ({config.pipeline.schedule})" if p > 1 else \
         f"grad_accum={config.train.grad_accum}"
-    off = " +offload.optimizer" if config.offload.optimizer else ""
+    off = (" +offload.optimizer" if config.offload.optimizer else "") + \
+        (" (update=host)" if config.offload.optimizer and config.offload.update == "host" else "") + \
+        (" +offload.params" if config.offload.params else "")
     sp = " +sequence_parallel" if mesh.sequence_parallel else ""
     cp = f" cp={mesh.cp} ({mesh.cp_strategy})" if mesh.cp > 1 else ""
     return f"dp={mesh.dp} pp={p}{cp} tp={mesh.tp}{sp} zero={config.zero.stage} remat={config.remat.policy}{off} {split}"

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from jaxpar.config import Config, to_dict
-from jaxpar.planner import cost, memory
+from jaxpar.planner import cost, memory, offload
 from jaxpar.compiler import hardware
 from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.planner.recommend import describe, rules
 
 MEMORY_ROWS = [
     ("params", "compute-dtype weights"),
+    ("params_on_host", "  of which in host memory (offload.params)"),
     ("master", "fp32 master weights"),
     ("optimizer", "Adam m + v (fp32)"),
     ("optimizer_on_host", "  of which in host memory (offload)"),
@@ -21,12 +22,20 @@ MEMORY_ROWS = [
     ("update_phase", "temp: optimizer-update phase"),
     ("peak", "PEAK (device state + larger phase)"),
 ]
+OFFLOAD_ROWS = ("params_on_host", "optimizer_on_host", "activations_on_host")  # printed only when not zero
+HOST_LINK_ROWS = (("params_in", "parameter shards in (fwd + bwd, per microbatch)"),
+                  ("state_in", "optimizer state in (update=device)"),
+                  ("state_out", "optimizer state out (update=device)"),
+                  ("grads_out", "gradient shards out (update=host)"),
+                  ("updated_params_in", "updated parameters in (update=host)"),
+                  ("updated_params_out", "updated parameters out (offload.params)"))
 
 
 def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") -> dict:
     mem = memory.estimate(config, target, hw.compute_capability)
     time = cost.step_time(config, hw, gpus_per_node)
     return {"layout": describe(config), "devices": config.mesh.size, "hardware": hw.name, "target": target,
+            "pcie_gbps": hw.pcie_gbps,
             "per_device_bytes": mem["per_device_bytes"], "fits": mem["per_device_bytes"]["peak"] <= hw.usable_bytes,
             "usable_bytes": hw.usable_bytes, "microbatch_sequences": mem["microbatch"], "seq_len": mem["seq_len"],
             "peak_phase": mem["phase"], "param_counts_per_device": mem["param_counts"],
@@ -36,7 +45,9 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
             "step_time": {k: time[k] for k in ("compute_s", "matmul_s", "memory_s", "launch_s", "bubble_s",
                                                "tp_comm_s", "tp_exposed_s", "dp_comm_s", "dp_exposed_s",
                                                "pp_comm_s", "pp_exposed_s", "cp_comm_s", "step_s",
-                                               "step_s_no_overlap")},
+                                               "step_s_no_overlap", "host_link_s", "host_link_exposed_s",
+                                               "host_adam_s")},
+            "host_link_bytes": time["host_link_parts"], "offload": offload.enabled(config),
             "memory_bound_s": time["memory_parts"],
             "links": time["links"], "bubble_fraction": time["bubble_fraction"], "mfu": time["mfu"],
             "tokens_per_s": time["tokens_per_s"], "config": to_dict(config)}
@@ -59,8 +70,11 @@ def format_plan(report: dict) -> str:
     lines = [f"plan: {report['layout']} on {report['devices']} x {report['hardware']} "
              f"(estimate for {report['target']}; microbatch {report['microbatch_sequences']} x {report['seq_len']} tokens)",
              "per-device memory (GB = 1e9 bytes):"]
-    lines += [f"  {label:<52} {pd[key] / GB:9.2f}" for key, label in MEMORY_ROWS]
+    lines += [f"  {label:<52} {pd[key] / GB:9.2f}" for key, label in MEMORY_ROWS
+              if key not in OFFLOAD_ROWS or pd[key]]
     lines.append(f"  -> {fits} in {report['usable_bytes'] / GB:.1f} GB usable; peak in the {report['peak_phase']} phase")
+    if report["offload"]:
+        lines += offload_lines(report)
     lines.append(flops_line(report))
     lines.append("step time (s):")
     for key, label in (("compute_s", "compute"), ("matmul_s", "  matmuls"),
@@ -73,12 +87,28 @@ def format_plan(report: dict) -> str:
                        ("pp_comm_s", f"pp sends ({report['links']['pp']})"),
                        ("pp_exposed_s", "  of which not overlapped"),
                        ("cp_comm_s", f"cp K / V traffic ({report['links'].get('cp', 'none')}, not overlapped)"),
+                       ("host_link_s", "host link (PCIe, offload)"),
+                       ("host_link_exposed_s", "  of which not overlapped"),
+                       ("host_adam_s", "AdamW on the host CPU (update=host)"),
                        ("step_s", "total (overlap modelled)"), ("step_s_no_overlap", "total without overlap")):
         if key == "cp_comm_s" and "cp" not in report["links"]:
+            continue
+        if key.startswith("host_") and not report["offload"]:
             continue
         lines.append(f"  {label:<40} {st[key]:9.3f}")
     lines.append(f"MFU {report['mfu']:.1%}, {report['tokens_per_s']:,.0f} tokens/s")
     return "\n".join(lines)
+
+
+def offload_lines(report: dict) -> list[str]:
+    """Host memory and host-link traffic per device (offload on): what offload costs for what it saves."""
+    pd, moved = report["per_device_bytes"], report["host_link_bytes"]
+    lines = [f"host memory per device (GB): {pd['host_total'] / GB:.2f} (optimizer state {pd['optimizer_on_host'] / GB:.2f}, "
+             f"parameters {pd['params_on_host'] / GB:.2f}, gradients for the host update {pd['host_gradients'] / GB:.2f})",
+             f"host link per device per step (GB, {report['pcie_gbps']:.0f} GB/s PCIe):"]
+    lines += [f"  {label:<52} {moved[key] / GB:9.2f}" for key, label in HOST_LINK_ROWS if moved[key]]
+    lines.append(f"  {'total':<52} {moved['total'] / GB:9.2f}")
+    return lines
 
 
 def flops_line(report: dict) -> str:

@@ -17,7 +17,8 @@ t tokens, local widths d, q, kv, f of one tp rank):
   SCORE_BYTES_RECOMPUTED when the backward recomputes them.
 - the optimizer: OPTIMIZER_BYTES per optimizer-sharded parameter (read and write the fp32 master, m,
   v and gradient, write the bf16 parameters; on a GPU the NaN guard's conditional writes the new
-  state to fresh buffers and copies it back: planner/memory.py).
+  state to fresh buffers and copies it back: planner/memory.py); none with offload.update=host,
+  whose update runs on the host CPU (planner/offload.py).
 - the LM head: HEAD_BYTES per logit of the vocabulary shard (fp32 logits, their softmax and its
   cotangent, written and read).
 - a pipeline's backward slots: each adds its chunk's gradients into the fp32 accumulators,
@@ -89,6 +90,8 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
     counts = local_params(config)
     params = counts["llm_layers"] + counts["llm_rest"]
     optimizer = OPTIMIZER_BYTES * params / (mesh.dp if config.zero.stage >= 1 else 1)
+    if config.offload.optimizer and config.offload.update == "host":
+        optimizer = 0.0  # the update runs on the host CPU (planner/offload.py prices it)
     sequences = config.train.global_batch_size // mesh.dp
     head = HEAD_BYTES * sequences * s * m.vocab_size / (mesh.tp * mesh.pp)
     per_layer = counts["llm_layers"] / (m.n_layers // mesh.pp)
