@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from conftest import TINY_MODEL, builder_for, make_config, replace
 from jaxpar.compiler import hlo_order
-from jaxpar.config import MeshConfig, PipelineConfig, RematConfig, load_config
+from jaxpar.config import MeshConfig, OffloadConfig, PipelineConfig, RematConfig, load_config
 from jaxpar.layers import order
 from jaxpar.layers.order import after, chain
 from jaxpar.parallel.evaluate import Evaluator
@@ -220,6 +220,13 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
                                zero=dict(stage=2)),
     "VLA ZeRO-3": lambda: _vla(mesh=dict(dp=4, pp=1, tp=2), vision=dict(tp=1), pipeline=dict(microbatches=1),
                                zero=dict(stage=3)),
+    # offload.params (the layers' shards copied in from the host inside the prefetching scan) and the update
+    # on the host: no collective of their own, the ZeRO-3 gathers and reduce-scatters keep one order
+    "LLM offload.params + host update": lambda: replace(make_config(dp=2, tp=4, stage=3), remat=RematConfig(
+        policy="full"), offload=OffloadConfig(params=True, optimizer=True, update="host")),
+    "VLA ZeRO-3 offload.params": lambda: _vla(mesh=dict(dp=4, pp=1, tp=2), vision=dict(tp=1),
+                                              pipeline=dict(microbatches=1), zero=dict(stage=3),
+                                              remat=dict(policy="full"), offload=dict(params=True)),
     "VLA cp ring 1f1b": lambda: _vla(mesh=dict(dp=1, pp=2, tp=2, cp=2, cp_strategy="ring"), vision=dict(tp=1),
                                      pipeline=dict(schedule="1f1b"), zero=dict(stage=1), actions=dict(instruction_len=34)),
 }

@@ -14,6 +14,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.parallel.step import HOST
 from test_dry_run import _fast_compile
 from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
+from test_eval import eval_sums, reference_text_sums, text_batch
 
 FULL = RematConfig(policy="full")
 
@@ -103,3 +104,15 @@ def test_host_update_skips_a_step_whose_gradients_are_not_finite():
     _, ref_losses, _ = reference()
     np.testing.assert_allclose(losses[:2], ref_losses[:2], rtol=LOSS_RTOL)  # step 2's update is not applied:
     assert int(state.skipped) == 1 and not np.isclose(losses[2], ref_losses[2], rtol=1e-6)  # step 3 differs
+
+
+def test_evaluation_reads_the_parameters_from_the_host(rng):
+    """The eval step (no gradient: the host shards are copied in without sinks) reports the sums of the
+    single-device model, the parameters still on the host."""
+    config = offloaded(make_config(dp=4, tp=2, stage=3))
+    batch = text_batch(config, rng)
+    params, sums = eval_sums(config, batch)
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(params)} == {HOST}
+    expected = reference_text_sums(builder_for(make_config()).init_state(0).params, batch)
+    assert sums["tokens"] == expected["tokens"] and sums["correct"] == expected["correct"]
+    np.testing.assert_allclose(sums["loss"], expected["loss"], rtol=2e-6)

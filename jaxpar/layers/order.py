@@ -11,7 +11,7 @@ expands barriers away before scheduling. So jaxpar orders every pair with a real
 
 * `after(x, *deps)` is `x`, bit for bit (NaN, inf, -0 and integers included), computed only once
   `deps` are. It is a primitive of its own (`after_p`), lowered to `x - z` where `z` is +0.0 derived
-  from one element of each dependency as `select(t == t, |t|, 0)` with `t = d * 0`: +0.0 for every
+  from the first and last elements of each dependency (both ends of a concatenation) as `select(t == t, |t|, 0)` with `t = d * 0`: +0.0 for every
   value of `d` (t is +-0 or NaN), which XLA cannot fold; `x - 0` is then computed on `x`'s bits as
   unsigned integers (float arithmetic on XLA:CPU would flush subnormals), booleans or with false. As a primitive it keeps
   `x`'s type: a shard_map value stays invariant over the mesh axes it was invariant over, whatever
@@ -77,12 +77,18 @@ def _exact_zero(deps) -> jax.Array:
     for dep in deps:
         if dep.size == 0:
             continue
-        first = jax.lax.reshape(jax.lax.slice(jnp.ravel(dep), (0,), (1,)), ())
-        if jnp.issubdtype(first.dtype, jnp.complexfloating):
-            first = jnp.real(first)
-        t = first.astype(jnp.float32) * np.float32(0.0)  # +-0, or NaN for inf / NaN
-        z = jnp.where(t == t, jnp.abs(t), np.float32(0.0))  # +0 in every case
-        zero = z if zero is None else zero + z
+        flat = jnp.ravel(dep)
+        # the first and the last element: XLA simplifies a slice of a concatenation to a slice of the one
+        # operand it reads, so one element of [image tokens, text] would wait for the image tokens only
+        # (the VLA's first layer gathers ran beside the text embedding's psum)
+        ends = (0,) if dep.size == 1 else (0, dep.size - 1)
+        for index in ends:
+            element = jax.lax.reshape(jax.lax.slice(flat, (index,), (index + 1,)), ())
+            if jnp.issubdtype(element.dtype, jnp.complexfloating):
+                element = jnp.real(element)
+            t = element.astype(jnp.float32) * np.float32(0.0)  # +-0, or NaN for inf / NaN
+            z = jnp.where(t == t, jnp.abs(t), np.float32(0.0))  # +0 in every case
+            zero = z if zero is None else zero + z
     # sqrt(+0) = +0, and an op XLA's fusion counts as expensive: it computes the zero once rather than
     # duplicating it, with its reads of the dependencies, into every fusion that uses `after`'s result
     # (each copy kept the whole dependency alive until that use: +16.8 GB for vla70b on 16 devices)

@@ -192,8 +192,11 @@ def gradient_sinks(host: Any) -> Any:
 
 
 def fetched(w: Any) -> jax.Array:
-    """A weight to compute with: `fetch`ed from a (host, sink) pair, else as it is."""
-    return fetch(*w) if isinstance(w, tuple) else w
+    """A weight to compute with: `fetch`ed from a (host, sink) pair, copied in from the host where no
+    gradient is taken (evaluation), else as it is."""
+    if isinstance(w, tuple):
+        return fetch(*w)
+    return jax.device_put(w, jax.memory.Space.Device) if on_host(w) else w
 
 
 def gather_weight(axis, dim: int, reduce_dtype):
@@ -247,11 +250,12 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
     each layer's input is kept for the backward (full remat), never a gathered weight.
     """
     dims = jax.tree.map(lambda axes: axes.index(zero_logical), layer_axes, is_leaf=is_axes_leaf)
-    # offload.params: (host shards, gradient sinks) pairs; each layer's shard is copied in by its gather,
+    # offload.params: (host shards, gradient sinks) pairs (host shards alone where no gradient is taken:
+    # evaluation); each layer's shard is copied in by its gather,
     # so the copy runs one layer ahead like the gather, and the gradients go to the sinks (`fetch`)
     structure = jax.tree.structure(layer_axes, is_leaf=is_axes_leaf)
     leaves = structure.flatten_up_to(stacked_shards)
-    host_leaves = [leaf[0] if isinstance(leaf, tuple) else None for leaf in leaves]
+    host_leaves = [leaf[0] if isinstance(leaf, tuple) else leaf if on_host(leaf) else None for leaf in leaves]
     stacked_shards = structure.unflatten([leaf[1] if isinstance(leaf, tuple) else leaf for leaf in leaves])
     n_layers = jax.tree.leaves(stacked_shards)[0].shape[0]
 
