@@ -190,6 +190,7 @@ def test_short_training_run(tmp_path):
     assert saved["train"]["steps"] == 5 and saved["mesh"] == {"dp": 2, "pp": 1, "tp": 4, "sequence_parallel": False, "cp": 1, "cp_strategy": "all_gather"}
 
 
+@pytest.mark.slow  # make test's 15-minute budget (test_short_training_run trains dp 2 x tp 4 through the CLI)
 def test_tp4_mesh_emulates_its_devices(tmp_path):
     """(dp, pp, tp) = (1, 1, 4) needs 4 devices: the CPU host emulates them; no flag beyond the override."""
     workdir = tmp_path / "tp4"

@@ -170,6 +170,7 @@ def test_zero3_prefetch_gathers_the_next_layer_during_this_layers_gemms(tmp_path
     assert gathers["bytes_overlapped"] >= gathers["bytes"] / 2 > 0
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_offloaded_parameters_come_in_by_async_copies_inside_the_layer_scan(tmp_path):
     """offload.params (issue 32): each layer's shard is an async slice out of host memory, forward and backward;
     the deviceless program moves the layers' shards to the host once at its start (a GPU run moves the

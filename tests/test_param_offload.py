@@ -44,6 +44,7 @@ def test_bf16_with_the_optimizer_offloaded_too_trains_as_without_offload():
         assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)} == {HOST}
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_dry_run_reports_the_parameters_on_the_host():
     """Every parameter byte of the LLM moves to the host; none is left on the device between steps."""
     model = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=8, d_ff=1024)
@@ -97,6 +98,7 @@ def test_host_update_gives_the_device_updates_bits(precision, layout):
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(host_state.opt_state)} == {HOST}
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_host_update_skips_a_step_whose_gradients_are_not_finite():
     config = dataclasses.replace(make_config(dp=2, stage=1), offload=OffloadConfig(optimizer=True, update="host"),
                                  debug=DebugConfig(nan_at_step=2))

@@ -306,7 +306,7 @@ def test_planned_flops_match_the_compiled_step_without_pipeline(layout):
     assert_flops_agree(*flops_dry_run(**layout), bubble_fraction=0.0)
 
 
-PIPELINES = [dict(dp=1, pp=4, tp=1, remat="none", m=8), dict(dp=2, pp=2, tp=2, stage=1, remat="selective", m=4),
+PIPELINES = [pytest.param(dict(dp=1, pp=4, tp=1, remat="none", m=8), marks=pytest.mark.slow), dict(dp=2, pp=2, tp=2, stage=1, remat="selective", m=4),
              pytest.param(dict(dp=2, pp=2, tp=2, remat="none", m=4, vla=True), marks=pytest.mark.slow),
              dict(dp=1, pp=2, tp=1, remat="full", m=4, virtual=2), pytest.param(dict(dp=1, pp=4, tp=1, remat="none", m=4, schedule="zb"), marks=pytest.mark.slow)]
 

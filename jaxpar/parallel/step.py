@@ -559,7 +559,8 @@ class StepBuilder:
 
         target, opt_state, params = update(on_host(grads), state.opt_state, on_host(target),
                                            jax.device_put(grad_norm, scalars), jax.device_put(finite, scalars))
-        params = jax.device_put(params, self._named(self.specs.opt))  # the gather (ZeRO 1-2) runs on the device
+        host = self.offloaded_params()  # offloaded parameters stay on the host; the others' gather (ZeRO 1-2) runs on the device
+        params = {k: v if k in host else jax.device_put(v, self._named(self.specs.opt[k])) for k, v in params.items()}
         return self._finish_step(state, loss, grads, grad_norm, finite, params, target if self.bf16 else None,
                                  opt_state, with_grads)
 
@@ -569,7 +570,7 @@ class StepBuilder:
         run one after another (jaxpar.layers.order); a weight laid out alike in both stays as it is."""
         gathers = jax.tree.map(_gather_axes, self.specs.opt, self.specs.params, is_leaf=_is_spec)
         if all(g is None for g in jax.tree.leaves(gathers, is_leaf=lambda g: g is None or isinstance(g, tuple))):
-            return jax.lax.with_sharding_constraint(params, self._named(self.specs.params))
+            return jax.lax.with_sharding_constraint(params, self.state_shardings().params)  # (offloaded: to the host)
 
         def gather(w, how):
             if how is None:
