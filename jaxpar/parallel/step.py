@@ -164,9 +164,8 @@ class StepBuilder:
         opt_kind = HOST if offload.optimizer and not on_device else None
         master_kind = HOST if offload.optimizer and offload.master_weights and not on_device else None
         params = self._named(self.specs.params)
-        if not on_device:
-            params = {k: jax.tree.map(lambda s: s.with_memory_kind(HOST), v) if k in self.offloaded_params() else v
-                      for k, v in params.items()}
+        host = self.offloaded_params() if not on_device else frozenset()
+        params = {k: jax.tree.map(lambda s: s.with_memory_kind(HOST), v) if k in host else v for k, v in params.items()}
         return TrainState(
             step=NamedSharding(self.mesh, P()),
             params=params,
@@ -486,8 +485,9 @@ class StepBuilder:
             # A GPU dry run's devices carry no memory kinds, so the offloaded parameters arrive typed as device
             # memory: move them to the host first. A GPU run moves the same bytes at the end of its step (the
             # updated parameters back to the host); the per-layer copies in the layer scan are the same.
-            state = state.replace(params={k: jax.device_put(v, jax.memory.Space.Host) if k in self.offloaded_params()
-                                          else v for k, v in state.params.items()})
+            host = self.offloaded_params()
+            state = state.replace(params={k: jax.device_put(v, jax.memory.Space.Host) if k in host else v
+                                          for k, v in state.params.items()})
         loss, grads, grad_norm = self.loss_and_grads(state.params, batch)
         # Each dp rank updates only its optimizer shard: slice (ZeRO-1) before widening to fp32.
         grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.opt))
