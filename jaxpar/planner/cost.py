@@ -134,6 +134,7 @@ def compute_flops(config: Config) -> dict:
             "executed_flops_per_device": llm["layers"] + llm["head"] + vision,
             "executed_parts": {"layers": llm["layers"], "head": llm["head"], "vision": vision},
             "layers_busy_flops_per_device": llm["layers_busy"],
+            "layers_backward_share": 1 - llm["slot_costs"]["F"] / sum(llm["slot_costs"].values()),
             "bubble_fraction": bubble_fraction(config, {k: c for k, c in llm["slot_costs"].items() if c})}
 
 
@@ -163,7 +164,7 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     forwards = 1 + (config.remat.policy == "full") + (p > 1 and config.pipeline.stage_recompute)
     tp_bw, tp_link = link_bandwidth(1, mesh.tp, gpus_per_node, hw)
     tp_s = ring_allreduce_s((2 * forwards + 2) * (m.n_layers // p) * passes * activation, mesh.tp, tp_bw)
-    dp = _dp_comm_s(config, hw, gpus_per_node, c)
+    dp = _dp_comm_s(config, hw, gpus_per_node)
     # pp: the activation-sized sends and all-reduces the pipeline executes (counted from its table as
     # jaxpar.parallel.pipeline issues them: one send per tick with forwards and one per tick with
     # backwards; per microbatch the first input's all-reduce and its gradient's, and two for the head)
@@ -179,7 +180,8 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     cp_s, cp_link = _cp_comm_s(config, hw, gpus_per_node, c, forwards)
     return {"tp_comm_s": tp_s, "tp_exposed_s": tp_exposed, "pp_sends_s": sends_s, "cp_comm_s": cp_s,
             "vision_dp_s": _vision_dp_s(config, hw, gpus_per_node, c),
-            "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"],
+            "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"], "dp_in_forward_s": dp["in_forward"],
+            "dp_in_backward_s": dp["in_backward"],
             "dp_grad_reduce_s": dp["grad_reduce"], "pp_comm_s": pp_s,
             "links": {"tp": tp_link, "dp": dp["link"], "pp": pp_link, **({"cp": cp_link} if config.mesh.cp > 1 else {})}}
 
@@ -212,43 +214,79 @@ def _vision_dp_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> fl
     return 0.0 if ways <= 1 else per_element * (ways - 1) / ways * local_params(config)["vision"] / bw
 
 
-def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> dict:
-    """The step's dp traffic in seconds, the part issued per layer inside the layer scans, and the
-    gradients' reduction alone (what a pipeline can start before its schedule ends).
+def dp_bytes(config: Config) -> dict[str, float]:
+    """The LLM's dp collectives of one step on one device, in bytes of the full buffer by op, as the
+    compiled program's collectives count them (jaxpar.compiler.hlo_collectives; tests/test_plan.py
+    checks the two agree). Psi is this device's parameters (after tp and pp), g grad_reduce's bytes
+    per element (fp32 by default), c the compute dtype's.
 
-    Gradients move in grad_reduce's dtype (fp32 by default), weights in the compute dtype. ZeRO-0:
-    an all-reduce of the gradients; ZeRO-1: the same all-reduce (each rank then updates its shard) +
-    the all-gather of the updated weights; ZeRO-2: the gradients' reduce-scatter + that all-gather;
-    ZeRO-3: the gradients' reduce-scatter + the weights' gathers in the forward and again in the
-    backward. ZeRO-3's gathers and reduce-scatters, and without a pipeline ZeRO-2's reduce-scatters
-    and (with train.grad_accum = 1) ZeRO 0-1's all-reduces, run per layer inside the scans
-    (jaxpar.parallel.zero's taps), where GPUs overlap them with the other layers' compute."""
+    - ZeRO 0-1: one all-reduce of the gradients (g Psi; after the accumulation with train.grad_accum > 1);
+      ZeRO 1-2 then all-gather the updated weights (c Psi).
+    - ZeRO-2 reduce-scatters the gradients (g Psi) without accumulating them whole, so without a
+      pipeline once per microbatch (train.grad_accum times); a pipeline accumulates its chunks' and
+      reduces once.
+    - ZeRO-3 reduce-scatters once per microbatch too, and gathers every microbatch's weights: the
+      layers' in the forward and again in the backward, the embedding and head once (kept for the
+      backward)."""
     mesh, stage = config.mesh, config.zero.stage
+    if mesh.dp * mesh.cp <= 1:
+        return {}
     counts = local_params(config)
-    psi = counts["llm_layers"] + counts["llm_rest"]
+    psi, layers = counts["llm_layers"] + counts["llm_rest"], counts["llm_layers"]
     g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
+    c = 2 if config.precision == "bf16" else 4
+    microbatches = config.train.grad_accum if mesh.pp == 1 else 1
+    if stage < 2:
+        return {"all-reduce": g * psi, **({"all-gather": c * psi} if stage == 1 else {})}
+    if stage == 2:
+        return {"reduce-scatter": g * psi * microbatches, "all-gather": c * psi}
+    return {"reduce-scatter": g * psi * microbatches, "all-gather": c * (psi + layers) * microbatches}
+
+
+def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
+    """The step's dp traffic in seconds (dp_bytes over the ring: an all-reduce moves 2 (n - 1) / n of
+    its buffer, a reduce-scatter or all-gather (n - 1) / n), the part issued per layer inside the layer
+    scans, and the gradients' reduction alone (what a pipeline can start before its schedule ends).
+    ZeRO-3's gathers and reduce-scatters, and without a pipeline ZeRO-2's reduce-scatters and (with
+    train.grad_accum = 1) ZeRO 0-1's all-reduces, run per layer inside the scans (jaxpar.parallel.zero's
+    taps), where GPUs overlap them with the other layers' compute: inside a node. Across nodes XLA's
+    GPU schedule leaves them exposed, so they are priced as if after the scans: its latency-hiding
+    scheduler has no device to time a collective on and gives each one the same short window of
+    compute whatever its bytes, enough for NVLink and not for a node's NICs. The GPU-compiled
+    programs (docs/planner.md, "dp traffic across nodes") hide 6-20% of such traffic: llama7b dp=8
+    tp=8 ZeRO-2 and dp=16 tp=4 ZeRO-3 on 64 A100s, a 70B ZeRO-2 dp=4 tp=8 on 32."""
+    mesh, stage = config.mesh, config.zero.stage
     ways = mesh.dp * mesh.cp  # context parallelism's ranks sum their gradients as dp's do
     if mesh.cp > 1:  # dp x cp is not one contiguous block of devices: inside a node only if all of it is
         bw, link = link_bandwidth(mesh.tp, mesh.cp * mesh.pp * mesh.dp if mesh.dp > 1 else mesh.cp, gpus_per_node, hw)
     else:
         bw, link = link_bandwidth(mesh.pp * mesh.tp, mesh.dp, gpus_per_node, hw)
-    ring = 0.0 if ways <= 1 else (ways - 1) / ways * psi / bw  # seconds per byte of each element
+    ring = 0.0 if ways <= 1 else (ways - 1) / ways / bw  # seconds per byte of buffer
+    moved = dp_bytes(config)
+    seconds = {op: (2 if op == "all-reduce" else 1) * ring * n for op, n in moved.items()}
+    reduce = seconds.get("all-reduce", 0.0) + seconds.get("reduce-scatter", 0.0)
+    total = reduce + seconds.get("all-gather", 0.0)
     per_layer = mesh.pp == 1 and (stage == 2 or config.train.grad_accum == 1)
-    if stage < 3:
-        reduce = (1 if stage == 2 else 2) * g * ring  # a reduce-scatter, or an all-reduce (twice the bytes)
-        gather = c * ring if stage >= 1 else 0.0
-        return {"total": reduce + gather, "in_scan": reduce if per_layer else 0.0, "grad_reduce": reduce,
-                "link": link}
-    return {"total": (g + 2 * c) * ring, "in_scan": (g + 2 * c) * ring, "grad_reduce": g * ring, "link": link}
+    in_forward = 0.0
+    if stage >= 3:  # the forward's gathers: Psi of the c (Psi + layers) gathered per microbatch
+        counts = local_params(config)
+        psi = counts["llm_layers"] + counts["llm_rest"]
+        in_forward = seconds.get("all-gather", 0.0) * psi / (psi + counts["llm_layers"])
+    in_backward = total - in_forward if stage >= 3 else reduce if per_layer else 0.0
+    if link == "inter-node":  # what XLA's GPU schedule does not hide (docstring): priced as after the scans
+        in_forward = in_backward = 0.0
+    return {"total": total, "in_scan": in_forward + in_backward, "in_forward": in_forward,
+            "in_backward": in_backward, "grad_reduce": reduce, "link": link}
 
 
-def exposed_dp_s(dp_total: float, dp_in_scan: float, layers: int, compute_s: float) -> float:
+def exposed_dp_s(dp_total: float, in_scans: list[tuple[float, float]], layers: int) -> float:
     """dp seconds left on the critical path when the per-layer collectives overlap the other layers'
-    compute (GPUs, with xla_flags' latency-hiding scheduler and pipelined collectives): one layer's
-    share is never hidden, nor is what exceeds the compute; the rest (after the scans) is exposed."""
-    if dp_in_scan <= 0:
-        return dp_total
-    hidden = min(dp_in_scan * (1 - 1 / max(layers, 1)), compute_s)
+    compute (GPUs, with xla_flags' latency-hiding scheduler and pipelined collectives). `in_scans`:
+    (seconds of collectives issued inside a layer scan, seconds of that scan's compute) for the
+    forward and the backward: a gradient's reduction can only run beside the backward (with its remat
+    recompute), a ZeRO-3 forward gather beside the forward. In each, one layer's share is never hidden,
+    nor is what exceeds the scan's compute; the rest (after the scans) is exposed."""
+    hidden = sum(min(comm * (1 - 1 / max(layers, 1)), compute) for comm, compute in in_scans if comm > 0)
     return dp_total - hidden
 
 
@@ -285,7 +323,9 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     compute_s = busy_layers_s + (parts["head"] + parts["vision"]) / rate
     bubble_s = idle / (1 - idle) * (busy_layers_s + comm["tp_comm_s"])
     layers = config.model.n_layers // config.mesh.pp
-    comm["dp_exposed_s"] = (exposed_dp_s(comm["dp_comm_s"], comm["dp_in_scan_s"], layers, busy_layers_s)
+    backward_s = busy_layers_s * flops["layers_backward_share"]
+    in_scans = [(comm["dp_in_forward_s"], busy_layers_s - backward_s), (comm["dp_in_backward_s"], backward_s)]
+    comm["dp_exposed_s"] = (exposed_dp_s(comm["dp_comm_s"], in_scans, layers)
                             - pipelined_dp_hidden_s(config, comm["dp_grad_reduce_s"], busy_layers_s + bubble_s))
     hbm = traffic.memory_bound_s(config, hw, slot_counts(config))
     compute_s += hbm["memory_s"] + hbm["launch_s"]  # every executed slot's kernels: not scaled by the bubble
