@@ -128,6 +128,24 @@ def test_seed_16_gpu_70b_vla_question_has_a_definite_answer():
 LONG_SEQUENCE = 786_432  # llama7b tokens per sequence where no cp = 1 layout of 8 A100-80GB fits (tp=8 + sp: ~83 GB)
 
 
+def test_recommender_tries_every_host_offload_and_prefers_the_host_update_on_a_slow_link():
+    """The 70B VLA on 16 A100s fits only with the optimizer offloaded (docs/planner.md, the seed's plans).
+    Over the profiles' 64 GB/s the state's round trip (12 bytes a parameter each way) is cheaper than
+    AdamW on the host; over a DGX A100's shared Gen4 link, 16 GB/s, the host update wins, as DeepSpeed's
+    CPU Adam does. Offloads come only with full remat, parameter offload only with ZeRO-3."""
+    config = load_config("vla70b.py", VLA70B_SEED_LAYOUT)
+    layouts = list(recommend.candidates(config, 16, 8))
+    assert {(c.offload.optimizer, c.offload.update, c.offload.params) for c in layouts} == {
+        (False, "device", False), (True, "device", False), (True, "host", False), (False, "device", True),
+        (True, "host", True)}
+    assert all(c.remat.policy == "full" for c in layouts if c.offload.optimizer or c.offload.params)
+    assert all(c.zero.stage == 3 for c in layouts if c.offload.params)
+    for pcie, update in ((64, "device"), (16, "host")):
+        hw = dataclasses.replace(hardware.get("a100-80gb"), pcie_gbps=pcie)
+        best = recommend.recommend(config, 16, 8, hw)["ranked"][0]["config"]
+        assert (best.offload.optimizer, best.offload.update) == (True, update)
+
+
 def test_recommender_picks_context_parallelism_where_nothing_else_fits():
     """At a long sequence every cp = 1 layout of 8 GPUs is over the memory (even tp=8 with sequence
     parallelism, full remat and the optimizer offloaded); the recommender ranks a cp > 1 layout first,

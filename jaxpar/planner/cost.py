@@ -138,6 +138,11 @@ def compute_flops(config: Config) -> dict:
             "bubble_fraction": bubble_fraction(config, {k: c for k, c in llm["slot_costs"].items() if c})}
 
 
+# The share of per-layer dp traffic across nodes that XLA's GPU schedule hides (_dp_comm_s), from five
+# GPU-compiled programs on A100 nodes: 6, 9, 20, 20 and 23% (docs/planner.md, "dp traffic across nodes").
+INTER_NODE_HIDDEN_SHARE = 0.15
+
+
 def link_bandwidth(group_stride: int, group_size: int, gpus_per_node: int, hw: Hardware) -> tuple[float, str]:
     """Per-GPU one-way bandwidth (bytes/s) of a ring over a mesh axis of `group_size` devices placed
     `group_stride` apart: NVLink when the whole group sits in one node, else the node's NICs shared
@@ -250,11 +255,11 @@ def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     ZeRO-3's gathers and reduce-scatters, and without a pipeline ZeRO-2's reduce-scatters and (with
     train.grad_accum = 1) ZeRO 0-1's all-reduces, run per layer inside the scans (jaxpar.parallel.zero's
     taps), where GPUs overlap them with the other layers' compute: inside a node. Across nodes XLA's
-    GPU schedule leaves them exposed, so they are priced as if after the scans: its latency-hiding
-    scheduler has no device to time a collective on and gives each one the same short window of
-    compute whatever its bytes, enough for NVLink and not for a node's NICs. The GPU-compiled
-    programs (docs/planner.md, "dp traffic across nodes") hide 6-20% of such traffic: llama7b dp=8
-    tp=8 ZeRO-2 and dp=16 tp=4 ZeRO-3 on 64 A100s, a 70B ZeRO-2 dp=4 tp=8 on 32."""
+    GPU schedule leaves most of them exposed: its latency-hiding scheduler prices a collective
+    without timing it on a device and gives each about the same short window of compute whatever
+    its bytes, enough for NVLink and not for a node's NICs. Five GPU-compiled programs hide 6-23% of
+    that traffic (docs/planner.md, "dp traffic across nodes"); the planner hides INTER_NODE_HIDDEN_SHARE
+    of it and prices the rest as if after the scans."""
     mesh, stage = config.mesh, config.zero.stage
     ways = mesh.dp * mesh.cp  # context parallelism's ranks sum their gradients as dp's do
     if mesh.cp > 1:  # dp x cp is not one contiguous block of devices: inside a node only if all of it is
@@ -273,8 +278,8 @@ def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
         psi = counts["llm_layers"] + counts["llm_rest"]
         in_forward = seconds.get("all-gather", 0.0) * psi / (psi + counts["llm_layers"])
     in_backward = total - in_forward if stage >= 3 else reduce if per_layer else 0.0
-    if link == "inter-node":  # what XLA's GPU schedule does not hide (docstring): priced as after the scans
-        in_forward = in_backward = 0.0
+    if link == "inter-node":  # the share XLA's GPU schedule hides (docstring); the rest as if after the scans
+        in_forward, in_backward = in_forward * INTER_NODE_HIDDEN_SHARE, in_backward * INTER_NODE_HIDDEN_SHARE
     return {"total": total, "in_scan": in_forward + in_backward, "in_forward": in_forward,
             "in_backward": in_backward, "grad_reduce": reduce, "link": link}
 

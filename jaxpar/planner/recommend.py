@@ -18,11 +18,17 @@ factor), so cp > 1 is pruned where it cannot win or cannot run:
 - Only the smallest microbatch the search tries for that mesh (one sequence with a pipeline):
   cp cuts a microbatch's tokens, as splitting it into more microbatches (or more dp) does without
   the K / V traffic, so cp is the next step after the batch cannot be split further. Without this
-  rule vla70b's 64-GPU search held 1,652 layouts, not 1,184 (872 without cp); with the schedule
-  tables cached (jaxpar.parallel.schedule.build) the 1,184 take about 6 s.
+  rule vla70b's 64-GPU search held 1,652 layouts, not 1,184 (872 without cp; counted before the
+  offload choices below, which bring the 1,184 to 1,510); with the schedule tables cached
+  (jaxpar.parallel.schedule.build) the 1,510 take about 6 s.
 So cp is picked where sequences are long (activations bind; e.g. llama7b at 786,432 tokens on 8
 A100-80GB fits only with cp) and not at the configs' short defaults, where it only adds traffic.
 The search times only the layouts that fit (their peak decides which are ranked).
+
+Host offload (OFFLOADS), only on top of full remat ("checkpointing before offload"): the optimizer state
+with the update on the device or on the host (DeepSpeed's CPU Adam), and with ZeRO-3 the parameters
+too. The planner prices the host link and the host AdamW (planner/offload.py; the host's memory
+bandwidth is an assumption), so these rank by the same throughput as the rest.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ from jaxpar.planner import cost, memory
 from jaxpar.compiler.hardware import GB, Hardware
 
 REMATS = ("none", "selective", "full")
+# Host offload choices (checkpointing before offload: each only with full remat): the optimizer state
+# brought to the device for the update, or updated on the host; ZeRO-3's parameters on the host too.
+OFFLOADS = (OffloadConfig(),
+            OffloadConfig(optimizer=True, master_weights=True),
+            OffloadConfig(optimizer=True, master_weights=True, update="host"),
+            OffloadConfig(params=True),
+            OffloadConfig(optimizer=True, master_weights=True, update="host", params=True))
 CP_STRATEGIES = ("all_gather",)  # "ring" ties all_gather in the planner: see the module docstring
 
 
@@ -43,14 +56,14 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _with(config: Config, dp, pp, tp, zero, remat, m, offload, vision_tp, sp=False, cp=1,
+def _with(config: Config, dp, pp, tp, zero, remat, m, offload: OffloadConfig, vision_tp, sp=False, cp=1,
           cp_strategy="all_gather") -> Config:
     return dataclasses.replace(
         config, mesh=MeshConfig(dp, pp, tp, sequence_parallel=sp, cp=cp, cp_strategy=cp_strategy),
         zero=ZeroConfig(zero), remat=RematConfig(remat),
         pipeline=_pipeline(config, pp, m),
         train=dataclasses.replace(config.train, grad_accum=1 if pp > 1 or config.model.kind == "vla" else m),
-        offload=OffloadConfig(optimizer=offload, master_weights=True),
+        offload=offload,
         vision=dataclasses.replace(config.vision, tp=vision_tp))
 
 
@@ -98,8 +111,8 @@ def _variants(config: Config, dp: int, pp: int, cp: int, tp: int, splits: list[i
     for m in splits:
         for zero in range(4 if pp == 1 else 3) if dp * cp > 1 else (0,):  # ZeRO shards over dp x cp; 1: stages equal
             for remat in REMATS:
-                for offload in (False, True):
-                    if offload and remat != "full":
+                for offload in OFFLOADS:
+                    if offload != OffloadConfig() and remat != "full":
                         continue  # checkpointing before offload: offload only on top of full remat
                     for sp in (False, True) if tp > 1 else (False,):  # sequence parallel: less memory
                         for strategy in CP_STRATEGIES if cp > 1 else ("all_gather",):
@@ -146,9 +159,10 @@ def rules(result: dict, gpus: int, gpus_per_node: int) -> list[tuple[str, bool, 
     if p > 1:
         out.append(("m >= 4p keeps the bubble under 25%", m >= 4 * p,
                     f"m={m}, p={p}: bubble {result['bubble_fraction']:.0%}"))
-    if config.offload.optimizer:
+    if config.offload.optimizer or config.offload.params:
         out.append(("checkpointing before offload", config.remat.policy == "full",
-                    f"remat={config.remat.policy}, optimizer state in host memory"))
+                    f"remat={config.remat.policy}, " + ("optimizer state" if config.offload.optimizer else "parameters")
+                    + " in host memory"))
     return out
 
 
