@@ -251,8 +251,8 @@ class _Walker:
             nbytes = _result_bytes(_first(ins["shape"]))
             self._start(ins["name"], ("host-copy", "host"), nbytes, nbytes / (self.hw.pcie_gbps * GB), "host", st)
             return True
-        if op == "fusion-start" and ":S(5)" in _first(ins["shape"]):  # an async slice out of host memory
-            nbytes = _nbytes(hlo_collectives._tuple_elems(ins["shape"])[1])  # (offload.params' per-layer copy)
+        if op == "fusion-start" and ":S(5)" in _first(ins["shape"]):  # an async slice out of or into host memory
+            nbytes = _host_copy_bytes(ins["shape"])
             self._start(ins["name"], ("host-copy", "host"), nbytes, nbytes / (self.hw.pcie_gbps * GB), "host", st)
             return True
         if base not in hlo_collectives.OPS:
@@ -327,6 +327,18 @@ def _result_bytes(shape: str) -> float:
 
 def _first(shape: str) -> str:
     return hlo_collectives._tuple_elems(shape)[0]
+
+
+def _host_copy_bytes(shape: str) -> float:
+    """Bytes an async fusion touching host memory moves over the link, from its `((operands), result,
+    context)` shape: a slice out of a host array (offload.params' per-layer copy) moves its device
+    result; a dynamic-update-slice into one (remat=offload's per-layer copy out) moves its device
+    operands, not the host array it writes in place."""
+    operands, result = hlo_collectives._tuple_elems(shape)[:2]
+    if ":S(5)" not in result:
+        return _nbytes(result)
+    return float(sum(_nbytes(e) for e in hlo_collectives._tuple_elems(operands)
+                     if ":S(5)" not in e and "[]" not in e))  # not the scalar offsets
 
 
 def read_schedule(text: str, mesh, hw: Hardware, model_flops_per_device: float,

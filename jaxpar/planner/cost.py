@@ -339,7 +339,8 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     comm["pp_exposed_s"] = comm["pp_comm_s"] - min(comm["pp_sends_s"], busy_layers_s + bubble_s)
     without_overlap += comm["vision_dp_s"]
     # host offload (planner/offload.py): the host link (parameter copies hidden behind the layers) and the host update
-    host = offload.step_terms(config, hw, gpus_per_node, busy_layers_s)
+    host = offload.step_terms(config, hw, gpus_per_node, busy_layers_s,
+                              traffic.layer_passes(config, slot_counts(config))["forward"])
     without_overlap += host["host_link_s"] + host["host_adam_s"]
     total = (without_overlap - comm["dp_comm_s"] + comm["dp_exposed_s"] - comm["tp_comm_s"] + comm["tp_exposed_s"]
              - comm["pp_comm_s"] + comm["pp_exposed_s"] - host["host_link_s"] + host["host_link_exposed_s"])

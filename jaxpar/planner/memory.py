@@ -132,8 +132,11 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
     gathered = c * t * 2 * blk.kv * (blk.context - 1)
     if policy == "full":
         return layer_input, 0.0
-    if policy == "offload":
-        return layer_input, linear
+    if policy == "offload":  # what the GPU-compiled program copies to the host: the named outputs the
+        # backward reads (mlp_out, added to the residual stream, is none: JAX keeps only residuals) and
+        # cuDNN's fp32 softmax statistics [b, h, s]
+        offloaded = linear - c * t * blk.d / blk.seq_split + (4 * b * blk.heads * s if blk.cudnn else 0)
+        return layer_input, offloaded
     if policy == "selective":
         return layer_input + linear, 0.0
     if policy == "dots":  # + the fp32 attention scores matmul output and the MLP hidden

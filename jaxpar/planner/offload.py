@@ -13,13 +13,15 @@ L = the LLM's parameters on the device / dp, its ZeRO-3 shard):
 - offload.params: every microbatch copies each layer's shard in for the forward and again for the
   full-remat backward: 2 c L per microbatch in; with update=device the updated parameters go back to
   the host at the step's end: c L out.
+- remat.policy=offload: every executed layer forward copies its offloaded activations out
+  (memory.saved_per_layer's host part) and its backward copies them back in.
 Seconds are bytes / hardware.Hardware.pcie_gbps (per GPU, per direction; the profiles' 64 GB/s is the
 seeds' PCIe Gen5 x16: an A100 has Gen4, 32 GB/s, and DGX nodes share a switch between two GPUs, so
 override it with --hardware_json for a real A100 node). What overlaps: the parameter copies run one
-layer ahead beside the layers' compute (jaxpar.parallel.zero.prefetching_layer_scan), so they are
-hidden up to the layer compute, less one layer's copy that nothing hides (as the ZeRO-3 gathers,
-cost.exposed_dp_s); XLA's GPU schedule hides only about a quarter of them today (BENCHMARKS.md "Host
-offload"), so for offload.params this errs fast; the optimizer's moves and the host update are at the step's end, exposed. Both
+layer ahead beside the layers' compute (jaxpar.parallel.zero.prefetching_layer_scan) and the activation
+copies beside the layer that made them (or will use them), but XLA's GPU schedule finishes most of
+each copy right after it starts: HOST_COPY_HIDDEN_SHARE of their time hides (up to the layers'
+compute), the rest is exposed; the optimizer's moves and the host update are at the step's end, exposed. Both
 directions are added, not overlapped (the update's copies in and out are a chain): this errs slow.
 
 The host update's seconds are a host-memory-bandwidth roofline: AdamW reads the fp32 master, m, v and
@@ -35,16 +37,20 @@ from __future__ import annotations
 
 from jaxpar.config import Config
 from jaxpar.compiler.hardware import GB, Hardware
-from jaxpar.planner import memory
+from jaxpar.planner import kernels, memory
 
 HOST_MEMORY_GBPS = {"a100-80gb": 300.0, "h100-80gb": 450.0, "h200": 450.0}  # per node; an assumption (docstring)
 DEFAULT_HOST_MEMORY_GBPS = 300.0
 ADAM_READ_BYTES = 16  # fp32 master, m, v, gradient
 ADAM_WRITE_BYTES = 12  # fp32 master, m, v (+ the compute-dtype parameter: c)
+# The share of the per-layer host copies (offload.params, remat=offload) XLA's GPU schedule hides behind
+# compute: the GPU-compiled llama7b with remat=offload on 8 H100s hides 28% of their time (32 layers) and
+# 24% (4 layers); offload.params about a quarter of its bytes at 4 layers (docs/planner.md).
+HOST_COPY_HIDDEN_SHARE = 0.25
 
 
 def enabled(config: Config) -> bool:
-    return config.offload.optimizer or config.offload.params
+    return config.offload.optimizer or config.offload.params or config.remat.policy == "offload"
 
 
 def _passes(config: Config) -> int:
@@ -52,9 +58,22 @@ def _passes(config: Config) -> int:
     return config.train.grad_accum
 
 
-def link_bytes(config: Config) -> dict[str, float]:
-    """Host-link bytes per device per step, by part: `params_in` overlaps the layers' compute, the
-    rest is moved at the step's end. `to_device` / `from_device` sum the directions."""
+def activation_bytes_per_layer(config: Config, compute_capability: float = 9.0) -> float:
+    """remat.policy=offload: bytes one layer forward copies to the host (and its backward back), with
+    the attention kernel `auto` takes on a GPU of `compute_capability` (cuDNN's statistics go too)."""
+    if config.remat.policy != "offload":
+        return 0.0
+    c = 2 if config.precision == "bf16" else 4
+    blk = memory.llm_block(kernels.resolve(config, "gpu", compute_capability), "gpu")
+    return memory.saved_per_layer("offload", blk, memory.microbatch(config), memory.local_seq(config), c)[1]
+
+
+def link_bytes(config: Config, forward_layer_passes: float | None = None,
+               compute_capability: float = 9.0) -> dict[str, float]:
+    """Host-link bytes per device per step, by part: `params_in` and the activations overlap the
+    layers' compute, the rest is moved at the step's end. `to_device` / `from_device` sum the
+    directions. `forward_layer_passes`: the layer forwards one device executes per step (masked
+    pipeline slots included: cost.step_time passes them); default the layers x microbatches."""
     c = 2 if config.precision == "bf16" else 4
     counts = memory.local_params(config)
     p = memory.optimizer_params(config, counts)
@@ -68,8 +87,13 @@ def link_bytes(config: Config) -> dict[str, float]:
              "grads_out": memory.grad_bytes(config) * p if on_host else 0.0,
              "updated_params_in": c * p if on_host and not off.params else 0.0,
              "updated_params_out": shard if off.params and not on_host else 0.0}
-    parts["to_device"] = parts["params_in"] + parts["state_in"] + parts["updated_params_in"]
-    parts["from_device"] = parts["state_out"] + parts["grads_out"] + parts["updated_params_out"]
+    if forward_layer_passes is None:
+        microbatches = config.pipeline.microbatches if config.mesh.pp > 1 else config.train.grad_accum
+        forward_layer_passes = config.model.n_layers // config.mesh.pp * microbatches
+    parts["activations_out"] = parts["activations_in"] = activation_bytes_per_layer(config, compute_capability) * forward_layer_passes
+    parts["to_device"] = parts["params_in"] + parts["state_in"] + parts["updated_params_in"] + parts["activations_in"]
+    parts["from_device"] = (parts["state_out"] + parts["grads_out"] + parts["updated_params_out"]
+                            + parts["activations_out"])
     parts["total"] = parts["to_device"] + parts["from_device"]
     return parts
 
@@ -85,13 +109,13 @@ def host_adam_s(config: Config, gpus_per_node: int, hw_name: str) -> float:
     return (ADAM_READ_BYTES + ADAM_WRITE_BYTES + c) * p / per_gpu
 
 
-def step_terms(config: Config, hw: Hardware, gpus_per_node: int, layers_compute_s: float) -> dict[str, float]:
+def step_terms(config: Config, hw: Hardware, gpus_per_node: int, layers_compute_s: float,
+               forward_layer_passes: float | None = None) -> dict[str, float]:
     """Host-link seconds (all, and not overlapped) and the host update's seconds of one step."""
-    moved = link_bytes(config)
+    moved = link_bytes(config, forward_layer_passes, hw.compute_capability)
     bandwidth = hw.pcie_gbps * GB
-    prefetched_s = moved["params_in"] / bandwidth
-    layers = config.model.n_layers // config.mesh.pp
-    hidden = min(prefetched_s * (1 - 1 / max(layers, 1)), layers_compute_s)
+    prefetched_s = (moved["params_in"] + moved["activations_in"] + moved["activations_out"]) / bandwidth
+    hidden = min(prefetched_s * HOST_COPY_HIDDEN_SHARE, layers_compute_s)
     link_s = moved["total"] / bandwidth
     adam_s = host_adam_s(config, gpus_per_node, hw.name)
     return {"host_link_bytes": moved["total"], "host_link_s": link_s, "host_link_exposed_s": link_s - hidden,

@@ -28,7 +28,9 @@ HOST_LINK_ROWS = (("params_in", "parameter shards in (fwd + bwd, per microbatch)
                   ("state_out", "optimizer state out (update=device)"),
                   ("grads_out", "gradient shards out (update=host)"),
                   ("updated_params_in", "updated parameters in (update=host)"),
-                  ("updated_params_out", "updated parameters out (offload.params)"))
+                  ("updated_params_out", "updated parameters out (offload.params)"),
+                  ("activations_out", "activations out (remat=offload, per layer forward)"),
+                  ("activations_in", "activations in (remat=offload, per layer backward)"))
 
 
 def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") -> dict:
