@@ -32,6 +32,7 @@ from __future__ import annotations
 from jaxpar.config import Config, patches_per_image
 from jaxpar.models.flops import model_flops_per_step
 from jaxpar.planner import offload, traffic
+from jaxpar.planner.traffic import slot_counts
 from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.parallel.pipeline import activation_collectives
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
@@ -41,16 +42,6 @@ from jaxpar.planner.memory import (Block, llm_block, local_params, local_seq, mi
 # The parts of one layer's forward each remat policy computes again in the backward (layer_forward keys).
 RECOMPUTED = {"none": (), "dots": (), "selective": ("scores",), "offload": ("scores",),
               "full": ("qkv", "scores", "values", "out", "mlp_in")}
-
-
-def slot_counts(config: Config) -> dict[str, int]:
-    """Chunk slots of each kind (F, B, W) one device executes: the ticks in which the kind is active
-    anywhere, since a stage without work computes masked garbage (1f1b: v m + p - 1 F and B; zb: m + p
-    - 1 F and B, m W). Without a pipeline: one F and one B per pass, no idle slot."""
-    table = pipeline_table(config)
-    if table is None:
-        return {"F": 1, "B": 1, "W": 0}
-    return {k: sum(ph.count for ph in table.phases if k in ph.kinds) for k in "FBW"}
 
 
 def layer_forward(blk: Block, b: int, s: int) -> dict[str, float]:
@@ -339,8 +330,7 @@ def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     comm["pp_exposed_s"] = comm["pp_comm_s"] - min(comm["pp_sends_s"], busy_layers_s + bubble_s)
     without_overlap += comm["vision_dp_s"]
     # host offload (planner/offload.py): the host link (parameter copies hidden behind the layers) and the host update
-    host = offload.step_terms(config, hw, gpus_per_node, busy_layers_s,
-                              traffic.layer_passes(config, slot_counts(config))["forward"])
+    host = offload.step_terms(config, hw, gpus_per_node, busy_layers_s)
     without_overlap += host["host_link_s"] + host["host_adam_s"]
     total = (without_overlap - comm["dp_comm_s"] + comm["dp_exposed_s"] - comm["tp_comm_s"] + comm["tp_exposed_s"]
              - comm["pp_comm_s"] + comm["pp_exposed_s"] - host["host_link_s"] + host["host_link_exposed_s"])

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from jaxpar.config import Config
 from jaxpar.compiler.hardware import GB, Hardware
-from jaxpar.planner import kernels, memory
+from jaxpar.planner import kernels, memory, traffic
 
 HOST_MEMORY_GBPS = {"a100-80gb": 300.0, "h100-80gb": 450.0, "h200": 450.0}  # per node; an assumption (docstring)
 DEFAULT_HOST_MEMORY_GBPS = 300.0
@@ -68,12 +68,10 @@ def activation_bytes_per_layer(config: Config, compute_capability: float = 9.0) 
     return memory.saved_per_layer("offload", blk, memory.microbatch(config), memory.local_seq(config), c)[1]
 
 
-def link_bytes(config: Config, forward_layer_passes: float | None = None,
-               compute_capability: float = 9.0) -> dict[str, float]:
+def link_bytes(config: Config, compute_capability: float = 9.0) -> dict[str, float]:
     """Host-link bytes per device per step, by part: `params_in` and the activations overlap the
     layers' compute, the rest is moved at the step's end. `to_device` / `from_device` sum the
-    directions. `forward_layer_passes`: the layer forwards one device executes per step (masked
-    pipeline slots included: cost.step_time passes them); default the layers x microbatches."""
+    directions. The activations move once per executed layer forward (masked pipeline slots too)."""
     c = 2 if config.precision == "bf16" else 4
     counts = memory.local_params(config)
     p = memory.optimizer_params(config, counts)
@@ -87,10 +85,8 @@ def link_bytes(config: Config, forward_layer_passes: float | None = None,
              "grads_out": memory.grad_bytes(config) * p if on_host else 0.0,
              "updated_params_in": c * p if on_host and not off.params else 0.0,
              "updated_params_out": shard if off.params and not on_host else 0.0}
-    if forward_layer_passes is None:
-        microbatches = config.pipeline.microbatches if config.mesh.pp > 1 else config.train.grad_accum
-        forward_layer_passes = config.model.n_layers // config.mesh.pp * microbatches
-    parts["activations_out"] = parts["activations_in"] = activation_bytes_per_layer(config, compute_capability) * forward_layer_passes
+    forwards = traffic.layer_passes(config, traffic.slot_counts(config))["forward"]
+    parts["activations_out"] = parts["activations_in"] = activation_bytes_per_layer(config, compute_capability) * forwards
     parts["to_device"] = parts["params_in"] + parts["state_in"] + parts["updated_params_in"] + parts["activations_in"]
     parts["from_device"] = (parts["state_out"] + parts["grads_out"] + parts["updated_params_out"]
                             + parts["activations_out"])
@@ -109,10 +105,9 @@ def host_adam_s(config: Config, gpus_per_node: int, hw_name: str) -> float:
     return (ADAM_READ_BYTES + ADAM_WRITE_BYTES + c) * p / per_gpu
 
 
-def step_terms(config: Config, hw: Hardware, gpus_per_node: int, layers_compute_s: float,
-               forward_layer_passes: float | None = None) -> dict[str, float]:
+def step_terms(config: Config, hw: Hardware, gpus_per_node: int, layers_compute_s: float) -> dict[str, float]:
     """Host-link seconds (all, and not overlapped) and the host update's seconds of one step."""
-    moved = link_bytes(config, forward_layer_passes, hw.compute_capability)
+    moved = link_bytes(config, hw.compute_capability)
     bandwidth = hw.pcie_gbps * GB
     prefetched_s = (moved["params_in"] + moved["activations_in"] + moved["activations_out"]) / bandwidth
     hidden = min(prefetched_s * HOST_COPY_HIDDEN_SHARE, layers_compute_s)

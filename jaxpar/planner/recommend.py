@@ -45,10 +45,10 @@ REMATS = ("none", "selective", "full")
 # Host offload choices (checkpointing before offload: each only with full remat): the optimizer state
 # brought to the device for the update, or updated on the host; ZeRO-3's parameters on the host too.
 OFFLOADS = (OffloadConfig(),
-            OffloadConfig(optimizer=True, master_weights=True),
-            OffloadConfig(optimizer=True, master_weights=True, update="host"),
+            OffloadConfig(optimizer=True),
+            OffloadConfig(optimizer=True, update="host"),
             OffloadConfig(params=True),
-            OffloadConfig(optimizer=True, master_weights=True, update="host", params=True))
+            OffloadConfig(optimizer=True, update="host", params=True))
 CP_STRATEGIES = ("all_gather",)  # "ring" ties all_gather in the planner: see the module docstring
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 from jaxpar.config import Config
 from jaxpar.planner import kernels
 from jaxpar.compiler.hardware import KERNEL_LAUNCH_S, Hardware
+from jaxpar.parallel.schedule import pipeline_table
 from jaxpar.planner.memory import llm_block, local_params, local_seq, microbatch
 
 LAYER_D = 10  # c t d bytes of a layer forward's norms and residual adds
@@ -55,10 +56,20 @@ KERNELS_PER_LAYER_PASS = 40
 KERNELS_PER_WEIGHT_PASS = 10  # zb's W per layer: its weight-gradient matmuls and the accumulation
 
 
+def slot_counts(config: Config) -> dict[str, int]:
+    """Chunk slots of each kind (F, B, W) one device executes: the ticks in which the kind is active
+    anywhere, since a stage without work computes masked garbage (1f1b: v m + p - 1 F and B; zb: m + p
+    - 1 F and B, m W). Without a pipeline: one F and one B per pass, no idle slot."""
+    table = pipeline_table(config)
+    if table is None:
+        return {"F": 1, "B": 1, "W": 0}
+    return {k: sum(ph.count for ph in table.phases if k in ph.kinds) for k in "FBW"}
+
+
 def layer_passes(config: Config, slots: dict[str, int]) -> dict[str, float]:
     """Layer forwards, backwards (zb: input-gradient B), zb weight-gradient passes (W: its matmuls
     from kept inputs, no elementwise backward) and recomputed forwards one device executes per
-    step, from the executed chunk slots of each kind (jaxpar.planner.cost.slot_counts; a chunk
+    step, from the executed chunk slots of each kind (slot_counts; a chunk
     slot is 1/v of the stage's layers)."""
     mesh = config.mesh
     layers = config.model.n_layers // mesh.pp
@@ -74,7 +85,7 @@ def layer_passes(config: Config, slots: dict[str, int]) -> dict[str, float]:
 
 def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[str, float]:
     """Seconds of memory-bound kernels by part, and of kernel launches, per step on one device
-    (`slots`: the executed chunk slots by kind, jaxpar.planner.cost.slot_counts)."""
+    (`slots`: the executed chunk slots by kind, slot_counts)."""
     config = kernels.resolve(config, "gpu", hw.compute_capability)
     m, mesh = config.model, config.mesh
     c = 2 if config.precision == "bf16" else 4
