@@ -1,6 +1,7 @@
 """Config schema, loading, overrides and validation (in-process; no JAX compilation)."""
 
 import dataclasses
+import json
 import pathlib
 import textwrap
 import typing
@@ -336,6 +337,21 @@ def test_local_configs_dir_and_explicit_paths(tmp_path, monkeypatch):
     assert resolve_config_path("mine").resolve() == local
     assert resolve_config_path(str(local)) == local
     assert load_config(str(local)).mesh.tp == 2
+
+
+def test_a_runs_config_json_loads_as_the_run_was_configured(tmp_path):
+    """`--config RUN/config.json` (to plan or repeat a run): the dict train.py records, read back whole."""
+    config = load_config("llama7b", ["mesh.dp=4", "mesh.tp=2", "remat.policy=none", "zero.stage=2"])
+    recorded = tmp_path / "config.json"
+    recorded.write_text(json.dumps(C.to_dict(config), indent=2))
+    assert load_config(str(recorded)) == config
+    recorded.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds list, not a config"):
+        load_config(str(recorded))
+    other = tmp_path / "cfg.yaml"
+    other.write_text("mesh: {}")
+    with pytest.raises(ConfigError, match="neither a .py config nor a run's config.json"):
+        load_config(str(other))
 
 
 def test_missing_config_lists_the_known_ones():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import pathlib
 import typing
 from collections.abc import Mapping
@@ -378,7 +379,19 @@ def resolve_config_path(name: str) -> pathlib.Path:
 
 
 def load_config_dict(name: str) -> dict:
+    """The settings in `name`: a config file (get_config() in Python) or a run's config.json (the whole
+    config as the trainer recorded it, so `--config RUN/config.json` plans or repeats that run)."""
     path = resolve_config_path(name)
+    if path.suffix == ".json":
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{path}: not a readable config.json ({error}); pass a config .py or a run's config.json")
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: holds {type(raw).__name__}, not a config; pass a config .py or a run's config.json")
+        return raw
+    if path.suffix != ".py":
+        raise ConfigError(f"config file '{path}' is neither a .py config nor a run's config.json")
     spec = importlib.util.spec_from_file_location(f"jaxpar_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
