@@ -34,7 +34,7 @@ OTHER_KEYS = {
     "vision.projector_dim": int, "vision.pos_init": str, "vision.film": bool, "vision.tp": int, "vision.zero.stage": int, "vision.remat.policy": str,
     "actions.dims": int, "actions.bins": int, "actions.low": float, "actions.high": float,
     "actions.instruction_len": int, "actions.instruction_tokenizer": str, "checkpoint.every": int, "checkpoint.keep": int, "debug.nan_at_step": int,
-    "train.on_nan": str, "data.train": str, "data.eval": str, "data.generate": bool, "data.workers": int,
+    "train.on_nan": str, "train.nan_guard": str, "data.train": str, "data.eval": str, "data.generate": bool, "data.workers": int,
     "eval.every": int, "eval.batches": int,
     "mesh.sequence_parallel": bool, "mesh.cp": int, "mesh.cp_strategy": str, "grad_reduce": str, "zero.prefetch": bool, "init.from_hf": str, "init.llm_from_hf": str, "init.vision_from_hf": str,
     "model.rope_scaling_factor": float, "model.rope_low_freq_factor": float, "model.rope_high_freq_factor": float,

@@ -125,3 +125,20 @@ def test_sharded_init_matches_single_device():
     state = builder_for(config).init_state(config.train.seed)
     assert_sharded_as_claimed(state, 4, 2, 3)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), initial_state_on_host().params)
+
+
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_the_select_nan_guard_gives_the_conds_bits(stage):
+    """train.nan_guard=select (in place on GPUs, docs/design.md "The NaN guard") is the cond's arithmetic
+    with another control flow: the same losses and the same state to the bit, the non-finite step skipped."""
+    import dataclasses
+    from jaxpar.config import DebugConfig
+    cond = dataclasses.replace(make_config(dp=2, tp=2, stage=stage, precision="bf16"), debug=DebugConfig(nan_at_step=2))
+    select = dataclasses.replace(cond, train=dataclasses.replace(cond.train, nan_guard="select"))
+    _, cond_losses, cond_state = run(cond)
+    _, select_losses, select_state = run(select)
+    assert int(cond_state.skipped) == int(select_state.skipped) == 1
+    np.testing.assert_array_equal(select_losses, cond_losses)
+    for part in ("params", "master", "opt_state"):
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                     jax.device_get(getattr(select_state, part)), jax.device_get(getattr(cond_state, part)))

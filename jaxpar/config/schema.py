@@ -68,6 +68,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # by the global norm over all shards; 0 disables
     grad_accum: int = 1  # microsteps per optimizer step (gradient accumulation)
     on_nan: str = "skip"  # a step with non-finite loss or gradients: skip (not applied) or stop
+    # How a skipped step keeps the old optimizer state: `cond` (the update inside a lax.cond: in place on
+    # XLA:CPU, but XLA's GPU conditional writes the whole new state to fresh buffers) or `select` (a
+    # per-element where fused into each leaf's update: in place on GPUs). docs/design.md "The NaN guard".
+    nan_guard: str = "cond"
     log_every: int = 1  # metrics are fetched (a host sync) and written every N steps and at the last
 
 

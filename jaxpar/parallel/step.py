@@ -507,9 +507,11 @@ class StepBuilder:
                 state = state.replace(params=jax.device_put(state.params, on_device.params))
         # NaN guard: a step whose loss or gradients are not finite is not applied (the data is consumed).
         # `finite` comes from all-reduced values, so every device takes the same branch, and the
-        # branches hold no collective (clipping reuses grad_norm). A cond, not a where(finite, new, old)
-        # over the state: the select kept the old and the new master weights, moments and parameters
-        # alive at once (+42 GB per device for llama7b dp=8 ZeRO-0); the cond updates them in place.
+        # branches hold no collective (clipping reuses grad_norm). train.nan_guard picks how
+        # (docs/design.md "The NaN guard"): a cond updates in place on XLA:CPU, where a where(finite,
+        # new, old) kept the old and new state alive at once (+42 GB per device for llama7b dp=8
+        # ZeRO-0); on GPUs the conditional writes the whole new state to fresh buffers instead, and the
+        # select, fused into each leaf's update, is the in-place one.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def update(target, opt_state):
@@ -520,7 +522,12 @@ class StepBuilder:
             return target, opt_state
 
         target = state.master if self.bf16 else state.params
-        target, opt_state = jax.lax.cond(finite, update, lambda t, o: (t, o), target, state.opt_state)
+        if self.config.train.nan_guard == "select":
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_target, new_opt_state = update(target, state.opt_state)
+            target, opt_state = jax.tree.map(keep, new_target, target), jax.tree.map(keep, new_opt_state, state.opt_state)
+        else:
+            target, opt_state = jax.lax.cond(finite, update, lambda t, o: (t, o), target, state.opt_state)
         if self.bf16:  # params are always the compute-dtype copy of master: a skip rebuilds the same params
             master, params = target, jax.tree.map(lambda w: w.astype(self.compute_dtype), target)
         else:

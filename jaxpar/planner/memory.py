@@ -427,7 +427,12 @@ def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.
         update += 4 * llm  # the fp32 accumulators are still live when the reduction starts
     freed = st["params_device"] if bf16 else 0.0
     update = max(update - freed, 0.0)
-    if target == "gpu" and not st["opt_on_host"]:  # XLA's GPU conditional writes the whole new optimizer
+    if target == "gpu" and not st["opt_on_host"] and config.train.nan_guard == "select":
+        # the guard fused into each leaf's update: Adam in place, beside the gradients it reads (the
+        # reduced ones, their fp32 widening and the clipped copy; docs/design.md "The NaN guard")
+        update = max(reduced + 4 * st["opt_params"] + clipped + adam_work - freed, 0.0)
+        update = max(update, _dp_reduction(config, gr["reduced"]))
+    elif target == "gpu" and not st["opt_on_host"]:  # XLA's GPU conditional writes the whole new optimizer
         # state (master, m, v) to fresh buffers, copied into the donated ones after it; each leaf's gradient
         # dies once its Adam has run, so the conditional peaks at its end: the new state and the last leaf's
         # Adam temporaries. (Offloaded state keeps the terms above: without a device the GPU compiler has no
