@@ -582,3 +582,19 @@ def test_plan_report_shows_host_memory_and_link_when_offloading():
     assert "host link (PCIe, offload)" in text
     plain = report.format_plan(report.plan(llama7b("zero.stage=3"), hw, 8))
     assert "host link" not in plain and "in host memory" not in plain
+
+
+def test_the_plan_names_the_select_nan_guard_where_the_conditionals_copy_is_the_peak():
+    """On a GPU the cond guard's update writes the whole new state to fresh buffers; where that is the
+    peak (ZeRO-3 at dp 8, 24.33 GB compiled against select's 19.61) the plan says what select would
+    plan, and says nothing where the backward is the peak or the guard is select already."""
+    from jaxpar.planner import report
+    hw = hardware.get("h100")
+    zero3 = report.plan(llama7b("zero.stage=3"), hw, 8)
+    select = report.plan(llama7b("zero.stage=3", "train.nan_guard=select"), hw, 8)
+    assert zero3["peak_phase"] == "update"
+    assert zero3["select_guard_peak_bytes"] == select["per_device_bytes"]["peak"] < 0.9 * zero3["per_device_bytes"]["peak"]
+    assert "train.nan_guard=select updates in place on GPUs: peak 19.97 GB" in report.format_plan(zero3)
+    assert select["select_guard_peak_bytes"] is None
+    assert report.plan(llama7b("zero.stage=1"), hw, 8)["select_guard_peak_bytes"] is None  # backward peak
+    assert report.plan(llama7b("zero.stage=3"), hw, 8, target="cpu")["select_guard_peak_bytes"] is None

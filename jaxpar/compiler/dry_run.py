@@ -268,7 +268,9 @@ def gpu_text(report: dict) -> list[str]:
     est, plan = report["estimate"], report.get("planner")
     planned_peak = f"; planner {b(plan['peak_bytes'])}" if plan else ""
     planned_step = f" (planner: {plan['step_s']:.4g} s, MFU {plan['mfu']:.1%})" if plan else ""
-    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak}{planned_peak})",
+    hint = [f"  the update is the peak: train.nan_guard=select updates in place (planner: {b(plan['select_guard_peak_bytes'])})"
+            ] if plan and plan.get("select_guard_peak_bytes") else []
+    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak}{planned_peak})", *hint,
             f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls: "
             f"{k['cudnn_attention_forward_calls']} forward, {k['cudnn_attention_backward_calls']} backward), "
             f"{k['gemm_calls']} cuBLAS GEMM calls",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxpar.config import Config, to_dict
 from jaxpar.planner import cost, memory, offload
 from jaxpar.compiler import hardware
@@ -33,6 +35,17 @@ HOST_LINK_ROWS = (("params_in", "parameter shards in (fwd + bwd, per microbatch)
                   ("activations_in", "activations in (remat=offload, per layer backward)"))
 
 
+def select_guard_peak(config: Config, target: str, compute_capability: float) -> float | None:
+    """The planned peak with train.nan_guard=select, when the configured cond's conditional copy makes
+    the step's peak at least 5% higher on a GPU (docs/design.md "The NaN guard"); else None."""
+    if target != "gpu" or config.train.nan_guard != "cond":
+        return None
+    cond = memory.estimate(config, target, compute_capability)["per_device_bytes"]["peak"]
+    select = dataclasses.replace(config, train=dataclasses.replace(config.train, nan_guard="select"))
+    peak = memory.estimate(select, target, compute_capability)["per_device_bytes"]["peak"]
+    return peak if peak < 0.95 * cond else None
+
+
 def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") -> dict:
     mem = memory.estimate(config, target, hw.compute_capability)
     time = cost.step_time(config, hw, gpus_per_node)
@@ -52,7 +65,8 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
             "host_link_bytes": time["host_link_parts"], "offload": offload.enabled(config),
             "memory_bound_s": time["memory_parts"],
             "links": time["links"], "bubble_fraction": time["bubble_fraction"], "mfu": time["mfu"],
-            "tokens_per_s": time["tokens_per_s"], "config": to_dict(config)}
+            "tokens_per_s": time["tokens_per_s"], "config": to_dict(config),
+            "select_guard_peak_bytes": select_guard_peak(config, target, hw.compute_capability)}
 
 
 def gpu_figures(config: Config, gpu_name: str, gpus_per_node: int) -> dict:
@@ -62,7 +76,8 @@ def gpu_figures(config: Config, gpu_name: str, gpus_per_node: int) -> dict:
     planned = cost.step_time(config, hw, gpus_per_node)
     peak = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]["peak"]
     return {"step_s": planned["step_s"], "mfu": planned["mfu"], "peak_bytes": peak,
-            "matmul_efficiency": hw.matmul_efficiency}
+            "matmul_efficiency": hw.matmul_efficiency,
+            "select_guard_peak_bytes": select_guard_peak(config, "gpu", hw.compute_capability)}
 
 
 def format_plan(report: dict) -> str:
@@ -75,6 +90,8 @@ def format_plan(report: dict) -> str:
     lines += [f"  {label:<52} {pd[key] / GB:9.2f}" for key, label in MEMORY_ROWS
               if key not in OFFLOAD_ROWS or pd[key]]
     lines.append(f"  -> {fits} in {report['usable_bytes'] / GB:.1f} GB usable; peak in the {report['peak_phase']} phase")
+    if report.get("select_guard_peak_bytes"):
+        lines.append(f"  -> train.nan_guard=select updates in place on GPUs: peak {report['select_guard_peak_bytes'] / GB:.2f} GB")
     if report["offload"]:
         lines += offload_lines(report)
     lines.append(flops_line(report))
