@@ -341,17 +341,20 @@ def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dic
     dp, pp = data_ways(config), mesh.pp
     llm = counts["llm_layers"] + counts["llm_rest"]
     scatter = dp if z >= 2 and dp > 1 and pp == 1 else 1  # reduce-scattered layer by layer in the backward
+    plan = ZeroPlan(z, dp, pp > 1, config.remat.policy, config.zero.prefetch, config.train.grad_accum)
     if pp > 1:  # fp32 accumulators over microbatches + one microbatch's stage gradients
         backward = 4 * llm + c * counts["llm_layers"]
-        if target == "gpu":  # the GPU program holds the layers' accumulators twice at the backward's peak
-            backward += 4 * counts["llm_layers"]  # (the tick loop's carry and its copy; docs/planner.md)
+        # The GPU program holds the layers' accumulators twice at the backward's peak (the tick loop's
+        # carry and its copy), but not with interleaved chunks taken whole after the last tick (v > 1,
+        # no early dp reduction cutting them: vla70b, docs/planner.md "Known gaps")
+        if target == "gpu" and (config.pipeline.virtual_stages == 1 or plan.reduces_after_backward):
+            backward += 4 * counts["llm_layers"]
     elif config.train.grad_accum > 1:
         backward = (4 + c) * llm / scatter
     else:
         backward = c * llm / scatter
     dv = vision_data_ways(config) if config.model.kind == "vla" else 1
     backward += c * counts["vision"] / (dv if config.vision.zero.stage >= 2 else 1)
-    plan = ZeroPlan(z, dp, pp > 1, config.remat.policy, config.zero.prefetch, config.train.grad_accum)
     if plan.prefetches:  # one more layer's gathered weights and one more full layer gradient in flight
         backward += 2 * c * counts["llm_layers"] / (config.model.n_layers // pp)
     return {"backward": backward, "reduced": c * llm / (dp if z >= 2 else 1)}
