@@ -161,8 +161,8 @@ def _kept_without_remat_on_gpu(blk: Block, b: int, s: int, c: int) -> float:
     SwiGLU keeps six [t, f] tensors (gate, up, the sigmoid, SiLU, hidden and one more XLA holds); no
     projection output (attn_proj, mlp_out: JAX keeps only residuals). Attention: cuDNN's fp32
     statistics, or XLA's fp32 scores and compute-dtype probabilities (the stacks JAX keeps) and 4 bytes
-    per score element more that the GPU program holds (10 in all, the earlier fit's figure). (Context parallelism's gathered K and V are the
-    caller's, kept unless ZeRO-3 drops all-gathers.)"""
+    per score element more that the GPU program holds (10 in all, the earlier fit's figure). Context
+    parallelism's gathered K and V are the caller's, kept unless ZeRO-3 drops all-gathers."""
     t = b * s
     norms_f32 = 2 * 2 * 4 * t * blk.d / blk.seq_split
     norm_outputs = 2 * c * t * blk.d / (blk.seq_split if blk.regathers else 1)
