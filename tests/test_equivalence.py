@@ -6,6 +6,7 @@ a Latin square of the matrix (each layout once, each ZeRO stage once, ZeRO-3 ove
 other 12 cases are `slow` (CI runs them).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -14,6 +15,7 @@ import optax
 import pytest
 
 from conftest import TINY_MODEL, builder_for, make_config
+from jaxpar.config import DebugConfig
 from jaxpar.data.synthetic import synthetic_batch
 
 STEPS = 3
@@ -131,8 +133,6 @@ def test_sharded_init_matches_single_device():
 def test_the_select_nan_guard_gives_the_conds_bits(stage):
     """train.nan_guard=select (in place on GPUs, docs/design.md "The NaN guard") is the cond's arithmetic
     with another control flow: the same losses and the same state to the bit, the non-finite step skipped."""
-    import dataclasses
-    from jaxpar.config import DebugConfig
     cond = dataclasses.replace(make_config(dp=2, tp=2, stage=stage, precision="bf16"), debug=DebugConfig(nan_at_step=2))
     select = dataclasses.replace(cond, train=dataclasses.replace(cond.train, nan_guard="select"))
     _, cond_losses, cond_state = run(cond)

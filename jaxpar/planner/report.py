@@ -35,12 +35,11 @@ HOST_LINK_ROWS = (("params_in", "parameter shards in (fwd + bwd, per microbatch)
                   ("activations_in", "activations in (remat=offload, per layer backward)"))
 
 
-def select_guard_peak(config: Config, target: str, compute_capability: float) -> float | None:
+def select_guard_peak(config: Config, target: str, compute_capability: float, cond: float) -> float | None:
     """The planned peak with train.nan_guard=select, when the configured cond's conditional copy makes
-    the step's peak at least 5% higher on a GPU (docs/design.md "The NaN guard"); else None."""
+    the step's peak (`cond`, planned) at least 5% higher on a GPU (docs/design.md "The NaN guard"); else None."""
     if target != "gpu" or config.train.nan_guard != "cond":
         return None
-    cond = memory.estimate(config, target, compute_capability)["per_device_bytes"]["peak"]
     select = dataclasses.replace(config, train=dataclasses.replace(config.train, nan_guard="select"))
     peak = memory.estimate(select, target, compute_capability)["per_device_bytes"]["peak"]
     return peak if peak < 0.95 * cond else None
@@ -66,7 +65,8 @@ def plan(config: Config, hw: Hardware, gpus_per_node: int, target: str = "gpu") 
             "memory_bound_s": time["memory_parts"],
             "links": time["links"], "bubble_fraction": time["bubble_fraction"], "mfu": time["mfu"],
             "tokens_per_s": time["tokens_per_s"], "config": to_dict(config),
-            "select_guard_peak_bytes": select_guard_peak(config, target, hw.compute_capability)}
+            "select_guard_peak_bytes": select_guard_peak(config, target, hw.compute_capability,
+                                                         mem["per_device_bytes"]["peak"])}
 
 
 def gpu_figures(config: Config, gpu_name: str, gpus_per_node: int) -> dict:
@@ -77,7 +77,7 @@ def gpu_figures(config: Config, gpu_name: str, gpus_per_node: int) -> dict:
     peak = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]["peak"]
     return {"step_s": planned["step_s"], "mfu": planned["mfu"], "peak_bytes": peak,
             "matmul_efficiency": hw.matmul_efficiency,
-            "select_guard_peak_bytes": select_guard_peak(config, "gpu", hw.compute_capability)}
+            "select_guard_peak_bytes": select_guard_peak(config, "gpu", hw.compute_capability, peak)}
 
 
 def format_plan(report: dict) -> str:
