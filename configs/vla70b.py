@@ -12,19 +12,20 @@ tokens (sequence 296; the seed's 32 gives 294), which adds 0.7% to the model FLO
 
 Why (GPU-compiled, no device: `--dry_run --gpu a100-80gb --gpus_per_node 8`, whose step time is a
 roofline walk of XLA's schedule with a matmul efficiency of 0.55 fitted on a 1B Llama on one H200):
-estimated 1.27 s/step, MFU 31.3%, compiled peak 29.96 GiB (fits 80 GB with room; 1.34 s, 29.7%, 29.97 GiB
+estimated 1.26 s/step, MFU 31.7%, compiled peak 24.39 GiB with the NaN guard `auto` picks on GPUs, the
+select (2026-12-04; fits 80 GB with room; 1.27 s, 31.3%, 29.96 GiB with the cond; 1.34 s, 29.7%, 29.97 GiB
 while the first input's all-reduce and its gradient's ran on all 87 ticks instead of the 8 microbatches,
 issue 30 item 3; 1.38 s, 44.67 GiB before the pipeline stopped cutting its gradient accumulator by chunk
 when dp = 1), against 3.13 s,
 12.6%, 40.3 GiB for the seed's layout (DP=2, PP=4, TP=8, ZeRO-1, full recompute, 1F1B m=16; ViT
 TP=2, DP=32; fp32 reductions; instruction 32): there 0.67 s of the step waits on the cross-node dp
 all-reduce and 0.43 s on the ViT's ZeRO-2 traffic and the dp all-gather, and full recompute plus
-the 16% bubble execute 1.48x the model FLOPs. In the default, compute is 1.04 s of the 1.27 s (1.06 s
-before item 3): matmuls 0.79 s (1.09x the model FLOPs: the 8% bubble's masked slots), memory-bound
+the 16% bubble execute 1.48x the model FLOPs. In the default, compute is 1.02 s of the 1.26 s (1.04 s
+with the cond, 1.06 s before item 3): matmuls 0.79 s (1.09x the model FLOPs: the 8% bubble's masked slots), memory-bound
 kernels (pipeline stash and weight slices, gradient accumulation) and kernel launches; the rest,
-0.23 s (0.29 s before), waits on pipeline collectives over InfiniBand (the head's all-reduces over pp
+0.24 s (0.29 s before item 3), waits on pipeline collectives over InfiniBand (the head's all-reduces over pp
 each tick with a loss, the sends) and the sequence-parallel gathers. Runners-up in the same search (18
-compiles): m=8 with 5 virtual stages 28.3%; fp32 reductions 28.3%; LLM remat dots 28.0%, none 20.2%
+compiles, 2026-12-02, with the cond): m=8 with 5 virtual stages 28.3%; fp32 reductions 28.3%; LLM remat dots 28.0%, none 20.2%
 (m=16, v=5, ViT TP=2), full 24.5%; PP=16 TP=4 26.8%; without sequence parallelism (instruction 32) at most 19.9%,
 its pp traffic then waits 0.63 s; DP=2 PP=4 with 20 virtual stages does not fit (106 GiB).
 

@@ -288,10 +288,13 @@ PLANNER_CASES = [
     planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=selective"]),  # (slow: make test's budget)
     planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=none"]),
     planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=full"]),
-    planner_case("llama1b", "h200", []),
+    # peak +14% since the select guard (24.88 GB compiled, 25.84 with the cond): the backward is over-counted
+    # by 3.4 GB (docs/planner.md "Known gaps")
+    planner_case("llama1b", "h200", [], memory_ok=False),
+    # the NaN guard: a cond's update writes the whole new state to fresh buffers (24.33 GB compiled); auto,
+    # a select on GPUs, updates in place (19.61)
+    planner_case("llama7b", "h100", ["mesh.dp=8", "mesh.tp=1", "zero.stage=3", "train.nan_guard=cond"]),
     planner_case("llama7b", "h100", ["mesh.dp=8", "mesh.tp=1", "zero.stage=3"]),
-    # the NaN guard as a select: Adam in place (19.61 GB compiled against the cond's 24.33)
-    planner_case("llama7b", "h100", ["mesh.dp=8", "mesh.tp=1", "zero.stage=3", "train.nan_guard=select"]),
     planner_case("llama7b", "h100", ["mesh.dp=2", "mesh.tp=4", "zero.stage=2", "remat.policy=selective",
                                      "train.global_batch_size=4"]),
     planner_case("llama7b", "h100", ["mesh.pp=2", "mesh.tp=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]),
@@ -341,12 +344,14 @@ def test_the_planner_agrees_with_the_gpu_compiler(tmp_path, config, gpu, overrid
 @pytest.mark.slow  # two llama7b compiles
 def test_the_select_nan_guard_updates_in_place_on_the_gpu(tmp_path):
     """XLA's GPU conditional writes the whole new optimizer state to fresh buffers; the guard as a select
-    fused into each leaf's update does not (docs/design.md "The NaN guard"): llama7b at dp 8 ZeRO-3, whose
-    peak is the update, compiles at least 10% smaller (measured 24.33 -> 19.61 GB)."""
+    fused into each leaf's update does not (docs/design.md "The NaN guard"), and `auto`, the default, is
+    the select on GPUs: llama7b at dp 8 ZeRO-3, whose peak is the update, compiles at least 10% smaller
+    than with the cond (measured 24.33 -> 19.61 GB)."""
     layout = ["--config.mesh.dp=8", "--config.mesh.tp=1", "--config.zero.stage=3"]
     peaks = {}
-    for guard in ("cond", "select"):
+    for guard in ("cond", "auto"):
         done, report = dry_run(tmp_path, "--config", "llama7b", "--gpu", "h100", *layout, f"--config.train.nan_guard={guard}")
         assert done.returncode == 0, done.stderr[-2000:]
+        assert report["nan_guard"] == {"cond": "cond", "auto": "select"}[guard]
         peaks[guard] = report["per_device_bytes"]["peak"]
-    assert peaks["select"] < 0.9 * peaks["cond"], peaks
+    assert peaks["auto"] < 0.9 * peaks["cond"], peaks

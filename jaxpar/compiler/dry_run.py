@@ -144,6 +144,7 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
         "mesh": dict(mesh.shape),
         "zero_stage": config.zero.stage,
         "precision": config.precision,
+        "nan_guard": builder.nan_guard,  # train.nan_guard as resolved for these devices
         "param_count": total_param_count(config),
         "components": component_report(builder, state),
         "per_device_bytes": per_device,
@@ -270,7 +271,8 @@ def gpu_text(report: dict) -> list[str]:
     planned_step = f" (planner: {plan['step_s']:.4g} s, MFU {plan['mfu']:.1%})" if plan else ""
     hint = [f"  the update is the peak: train.nan_guard=select updates in place (planner: {b(plan['select_guard_peak_bytes'])})"
             ] if plan and plan.get("select_guard_peak_bytes") else []
-    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak}{planned_peak})", *hint,
+    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak}{planned_peak}; "
+            f"NaN guard {report['nan_guard']})", *hint,
             f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls: "
             f"{k['cudnn_attention_forward_calls']} forward, {k['cudnn_attention_backward_calls']} backward), "
             f"{k['gemm_calls']} cuBLAS GEMM calls",

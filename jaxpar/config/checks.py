@@ -4,7 +4,7 @@ a mistake costs no JAX start-up. jaxpar.config re-exports `validate` and the hel
 
 from __future__ import annotations
 
-from jaxpar.config.schema import (ATTENTION_KINDS, OFFLOAD_UPDATES, PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig,
+from jaxpar.config.schema import (ATTENTION_KINDS, NAN_GUARDS, OFFLOAD_UPDATES, PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig,
                                   Config, VisionConfig, vla_sequence_layout)
 from jaxpar.errors import ConfigError
 
@@ -35,8 +35,8 @@ def _validate_ranges(config: Config) -> None:
         _require(value >= 1, f"train.{key}={value} must be >= 1")
     _require(train.seq_len >= 2, f"train.seq_len={train.seq_len} must be >= 2")
     _require(train.on_nan in ("skip", "stop"), f"train.on_nan='{train.on_nan}' is unknown; use skip or stop")
-    _require(train.nan_guard in ("cond", "select"),
-             f"train.nan_guard='{train.nan_guard}' is unknown; use cond or select")
+    _require(train.nan_guard in NAN_GUARDS,
+             f"train.nan_guard='{train.nan_guard}' is unknown; use {', '.join(NAN_GUARDS)}")
     _require(config.checkpoint.every >= 0 and config.checkpoint.keep >= 1,
              "checkpoint.every must be >= 0 (0: at the end only) and checkpoint.keep >= 1")
     for key, value in (("eval.every", config.eval.every), ("eval.batches", config.eval.batches),

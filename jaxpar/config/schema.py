@@ -69,11 +69,24 @@ class TrainConfig:
     grad_accum: int = 1  # microsteps per optimizer step (gradient accumulation)
     on_nan: str = "skip"  # a step with non-finite loss or gradients: skip (not applied) or stop
     # How a skipped step keeps the old optimizer state: `cond` (the update inside a lax.cond: in place on
-    # XLA:CPU, but XLA's GPU conditional writes the whole new state to fresh buffers) or `select` (a
-    # per-element where fused into each leaf's update: in place on GPUs). docs/design.md "The NaN guard".
-    nan_guard: str = "cond"
+    # XLA:CPU, but XLA's GPU conditional writes the whole new state to fresh buffers), `select` (a
+    # per-element where fused into each leaf's update: in place on GPUs), or `auto`: the in-place one for
+    # the devices the step is compiled for (nan_guard_for). docs/design.md "The NaN guard".
+    nan_guard: str = "auto"
     log_every: int = 1  # metrics are fetched (a host sync) and written every N steps and at the last
 
+
+
+NAN_GUARDS = ("auto", "cond", "select")
+
+
+def nan_guard_for(train: TrainConfig, platform: str) -> str:
+    """The NaN guard a step compiled for `platform` ("gpu", "cpu", ...) uses: train.nan_guard, with
+    `auto` as the form each compiler updates in place: select for XLA's GPU compiler, cond elsewhere
+    (a select over the whole state kept old and new alive at once on XLA:CPU)."""
+    if train.nan_guard != "auto":
+        return train.nan_guard
+    return "select" if platform == "gpu" else "cond"
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:

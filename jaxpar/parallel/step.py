@@ -36,7 +36,7 @@ import optax
 from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.config import Config, carries_instruction_bytes, image_tokens
+from jaxpar.config import Config, carries_instruction_bytes, image_tokens, nan_guard_for
 from jaxpar.errors import ConfigError
 from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
@@ -126,6 +126,7 @@ class StepBuilder:
         self.compute_dtype = jnp.bfloat16 if self.bf16 else jnp.float32
         # gradients are reduced over dp in fp32 unless grad_reduce=bf16 (Megatron's default is fp32 too)
         self.grad_reduce_dtype = jnp.bfloat16 if self.bf16 and config.grad_reduce == "bf16" else jnp.float32
+        self.nan_guard = nan_guard_for(config.train, mesh.devices.flat[0].platform)  # cond or select
         _check_host_memory(config, mesh)
         # the axes gradients are summed over (dp, and cp with context parallelism); None when they are
         # all of size 1: no data-parallel collectives at all
@@ -507,11 +508,11 @@ class StepBuilder:
                 state = state.replace(params=jax.device_put(state.params, on_device.params))
         # NaN guard: a step whose loss or gradients are not finite is not applied (the data is consumed).
         # `finite` comes from all-reduced values, so every device takes the same branch, and the
-        # branches hold no collective (clipping reuses grad_norm). train.nan_guard picks how
-        # (docs/design.md "The NaN guard"): a cond updates in place on XLA:CPU, where a where(finite,
-        # new, old) kept the old and new state alive at once (+42 GB per device for llama7b dp=8
-        # ZeRO-0); on GPUs the conditional writes the whole new state to fresh buffers instead, and the
-        # select, fused into each leaf's update, is the in-place one.
+        # branches hold no collective (clipping reuses grad_norm). train.nan_guard picks how, `auto` as
+        # the compiler updates in place (docs/design.md "The NaN guard"): a cond on XLA:CPU, where a
+        # where(finite, new, old) kept the old and new state alive at once (+42 GB per device for llama7b
+        # dp=8 ZeRO-0); on GPUs the conditional writes the whole new state to fresh buffers instead, and
+        # the select, fused into each leaf's update, is the in-place one.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def update(target, opt_state):
@@ -522,7 +523,7 @@ class StepBuilder:
             return target, opt_state
 
         target = state.master if self.bf16 else state.params
-        if self.config.train.nan_guard == "select":
+        if self.nan_guard == "select":
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             new_target, new_opt_state = update(target, state.opt_state)
             target, opt_state = jax.tree.map(keep, new_target, target), jax.tree.map(keep, new_opt_state, state.opt_state)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxpar.config import Config, image_tokens, patches_per_image
+from jaxpar.config import Config, image_tokens, nan_guard_for, patches_per_image
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel.schedule import pipeline_table
 from jaxpar.parallel.zero import ZeroPlan
@@ -342,8 +342,9 @@ def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dic
     llm = counts["llm_layers"] + counts["llm_rest"]
     scatter = dp if z >= 2 and dp > 1 and pp == 1 else 1  # reduce-scattered layer by layer in the backward
     plan = ZeroPlan(z, dp, pp > 1, config.remat.policy, config.zero.prefetch, config.train.grad_accum)
-    if pp > 1:  # fp32 accumulators over microbatches + one microbatch's stage gradients
-        backward = 4 * llm + c * counts["llm_layers"]
+    if pp > 1:  # fp32 accumulators over microbatches + the gradients of the chunk one tick runs (the
+        # whole stage with v = 1; with interleaving a tick differentiates 1/v of the stage's layers)
+        backward = 4 * llm + c * counts["llm_layers"] / config.pipeline.virtual_stages
         # The GPU program holds the layers' accumulators twice at the backward's peak (the tick loop's
         # carry and its copy), but not with interleaved chunks taken whole after the last tick (v > 1,
         # no early dp reduction cutting them: vla70b, docs/planner.md "Known gaps")
@@ -430,7 +431,8 @@ def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.
         update += 4 * llm  # the fp32 accumulators are still live when the reduction starts
     freed = st["params_device"] if bf16 else 0.0
     update = max(update - freed, 0.0)
-    if target == "gpu" and not st["opt_on_host"] and config.train.nan_guard == "select":
+    guard = nan_guard_for(config.train, "gpu" if target == "gpu" else "cpu")
+    if target == "gpu" and not st["opt_on_host"] and guard == "select":
         # the guard fused into each leaf's update: Adam in place, beside the gradients it reads (the
         # reduced ones, their fp32 widening and the clipped copy; docs/design.md "The NaN guard")
         update = max(reduced + 4 * st["opt_params"] + clipped + adam_work - freed, 0.0)
