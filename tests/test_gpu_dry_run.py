@@ -288,8 +288,8 @@ PLANNER_CASES = [
     planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=selective"]),  # (slow: make test's budget)
     planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=none"]),
     planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=full"]),
-    # peak +14% since the select guard (24.88 GB compiled, 25.84 with the cond): the backward is over-counted
-    # by 3.4 GB (docs/planner.md "Known gaps")
+    # peak +10% since the select guard (24.88 GB compiled, 25.84 with the cond): the LM head's working set is
+    # over-counted by 1.6 GB (docs/planner.md "Known gaps")
     planner_case("llama1b", "h200", [], memory_ok=False),
     # the NaN guard: a cond's update writes the whole new state to fresh buffers (24.33 GB compiled); auto,
     # a select on GPUs, updates in place (19.61)

@@ -138,8 +138,8 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
         # cuDNN's fp32 softmax statistics [b, h, s]
         offloaded = linear - c * t * blk.d / blk.seq_split + (4 * b * blk.heads * s if blk.cudnn else 0)
         return layer_input, offloaded
-    if policy == "selective":
-        return layer_input + linear, 0.0
+    if policy == "selective":  # the GPU program keeps no mlp_out (JAX keeps only residuals, as for offload)
+        return layer_input + linear - (c * t * blk.d / blk.seq_split if blk.gpu else 0), 0.0
     if policy == "dots":  # + the fp32 attention scores matmul output and the MLP hidden
         return layer_input + linear + gathered + 4 * scores + c * t * blk.f, 0.0
     if blk.gpu and blk.gated:  # a Llama layer on the GPU: the compiled program's residual stacks
@@ -306,7 +306,9 @@ def _pipeline_live(config: Config, activation: float, target: str = "cpu") -> tu
     residuals exist at a time. Without pp: the one pass.
 
     On a GPU the stash is one buffer of stash_slots + 1 entries (the spare that idle slots write), all
-    of it live through the tick loop (XLA:CPU's buffer assignment reuses the dead entries' bytes)."""
+    of it live through the tick loop (XLA:CPU's buffer assignment reuses the dead entries' bytes), and
+    the running tick's chunk residuals are a further buffer beside it (the 3B-shaped pp 2 x tp 4 1F1B
+    program: a [4 slots, 4 layers, ...] stash and [4 layers, ...] stacks of one microbatch)."""
     pp, m, kind = config.mesh.pp, config.pipeline.microbatches, config.pipeline.schedule
     if pp == 1:
         return 1.0, 0.0
@@ -318,7 +320,8 @@ def _pipeline_live(config: Config, activation: float, target: str = "cpu") -> tu
         in_flight = table.stash_slots + 1
     if config.pipeline.stage_recompute:
         return 1.0, (in_flight + 2) * activation
-    return in_flight / config.pipeline.virtual_stages, 2 * activation
+    fresh = 1 if target == "gpu" else 0  # the tick's own chunk residuals, written beside the stash before
+    return (in_flight + fresh) / config.pipeline.virtual_stages, 2 * activation  # their copy into it
 
 
 def _vision_activations(config: Config, c: int, target: str) -> dict:
