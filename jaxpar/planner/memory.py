@@ -184,10 +184,18 @@ def layer_working_set(policy: str, blk: Block, b: int, s: int, c: int) -> float:
     return recompute + cotangents + 4 * t * (2 * blk.d + 2 * blk.f)
 
 
-def head_working_set(config: Config, t: int, c: int) -> float:
+def head_working_set(config: Config, t: int, c: int, target: str = "cpu") -> float:
     """The LM head's fp32 logits slice [t, V/(pp tp)] (the vocabulary is split over pp x tp), its exp
-    and its cotangent, plus the final norm."""
-    return 3 * 4 * t * config.model.vocab_size / (config.mesh.pp * config.mesh.tp) + 4 * t * config.model.d_model
+    and its cotangent, plus the final norm. The GPU compiler fuses the exp into its reductions: two
+    logits-sized fp32 buffers in every program read (llama1b on one H200, the 3B shape at dp 8 and at
+    dp 2 x tp 4); with ZeRO-3 the head's weight is gathered whole and its fp32 gradient is the whole
+    [d, V/(pp tp)] until the reduce-scatter (the 3B shape at dp 8: bf16 [3072, 32000] and f32 buffers
+    of that shape beside the logits)."""
+    vocab = config.model.vocab_size / (config.mesh.pp * config.mesh.tp)
+    if target != "gpu":
+        return 3 * 4 * t * vocab + 4 * t * config.model.d_model
+    gathered = (c + 4) * vocab * config.model.d_model if config.zero.stage >= 3 and data_ways(config) > 1 else 0
+    return 2 * 4 * t * vocab + 4 * t * config.model.d_model + gathered
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -270,7 +278,7 @@ def _activations(config: Config, c: int, target: str) -> dict:
     live_mb, ring = _pipeline_live(config, c * b * s * m.d_model / blk.seq_split, target)
     saved = live_mb * layers * dev
     host_saved = live_mb * layers * host
-    work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, b * s, c))
+    work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, b * s, c, target))
     out = {"saved": saved, "saved_host": host_saved, "pipeline_buffers": ring, "working_set": work,
            "cpu_f32_twins": 0.0}
     if target == "cpu":  # the host bytes count, and bf16 residual stacks get an f32 twin
