@@ -21,7 +21,7 @@ factor), so cp > 1 is pruned where it cannot win or cannot run:
   rule vla70b's 64-GPU search held 1,652 layouts, not 1,184 (872 without cp; counted before the
   offload choices below, which bring the 1,184 to 1,510); with the schedule tables cached
   (jaxpar.parallel.schedule.build) the 1,510 take about 6 s.
-So cp is picked where sequences are long (activations bind; e.g. llama7b at 786,432 tokens on 8
+So cp is picked where sequences are long (activations bind; e.g. llama7b at 917,504 tokens on 8
 A100-80GB fits only with cp) and not at the configs' short defaults, where it only adds traffic.
 The search times only the layouts that fit (their peak decides which are ranked).
 
