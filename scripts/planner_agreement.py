@@ -1,6 +1,6 @@
 """Re-compute docs/planner.md's "Fit to the GPU compiler" table: the planner columns always, the
 GPU-compiled columns with `--compile` (each row's GPU dry run, no device: "Command per row" in
-docs/planner.md; about 40 minutes for the whole table on a 2-core machine; each row's dry_run.json is
+docs/planner.md; about 15 minutes for the whole table on a 2-core machine; each row's dry_run.json is
 kept under --workdir).
 
     .venv/bin/python scripts/planner_agreement.py [--compile [--only CASE ...] [--workdir W]] [--write]

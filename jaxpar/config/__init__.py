@@ -4,13 +4,13 @@ a run whose weights start from Hugging Face is assembled by jaxpar.interop.pretr
 """
 
 from jaxpar.config.checks import has_evaluation, pipeline_warning, profile_steps, validate
-from jaxpar.config.schema import (ATTENTION_KINDS, NAN_GUARDS, ONE_FOR_ALL, PIPELINE_SCHEDULES, REMAT_POLICIES, REPO_CONFIG_DIR,
-                                  RESIZE_FILTERS, ActionConfig, CheckpointConfig, CompileConfig, Config,
+from jaxpar.config.schema import (ATTENTION_KINDS, NAN_GUARDS, ONE_FOR_ALL, PIPELINE_SCHEDULES, REMAT_POLICIES,
+                                  REPO_CONFIG_DIR, RESIZE_FILTERS, ActionConfig, CheckpointConfig, CompileConfig, Config,
                                   DataConfig, DebugConfig, EvalConfig, HardwareConfig, InitConfig, MeshConfig,
                                   ModelConfig, OffloadConfig, PipelineConfig, ProfileConfig, RematConfig,
                                   TrainConfig, VisionConfig, VisionZeroConfig, ZeroConfig, carries_instruction_bytes,
-                                  coerce, from_dict, image_tokens, instruction_tokenizer_file, load_config_dict, nan_guard_for,
-                                  parse_value, patches_per_image, read_config, resolve_config_path, schema_type,
+                                  coerce, from_dict, image_tokens, instruction_tokenizer_file, load_config_dict,
+                                  nan_guard_for, parse_value, patches_per_image, read_config, resolve_config_path, schema_type,
                                   set_by_path, to_dict, vla_sequence_layout)
 from jaxpar.errors import ConfigError
 

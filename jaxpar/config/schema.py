@@ -76,7 +76,6 @@ class TrainConfig:
     log_every: int = 1  # metrics are fetched (a host sync) and written every N steps and at the last
 
 
-
 NAN_GUARDS = ("auto", "cond", "select")
 
 
@@ -87,6 +86,7 @@ def nan_guard_for(train: TrainConfig, platform: str) -> str:
     if train.nan_guard != "auto":
         return train.nan_guard
     return "select" if platform == "gpu" else "cond"
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
