@@ -184,7 +184,7 @@ def layer_working_set(policy: str, blk: Block, b: int, s: int, c: int) -> float:
     return recompute + cotangents + 4 * t * (2 * blk.d + 2 * blk.f)
 
 
-def head_working_set(config: Config, t: int, c: int, target: str = "cpu") -> float:
+def head_working_set(config: Config, blk: Block, t: int, c: int) -> float:
     """The LM head's fp32 logits slice [t, V/(pp tp)] (the vocabulary is split over pp x tp), its exp
     and its cotangent, plus the final norm. The GPU compiler fuses the exp into its reductions: two
     logits-sized fp32 buffers in every program read (llama1b on one H200, the 3B shape at dp 8 and at
@@ -192,9 +192,9 @@ def head_working_set(config: Config, t: int, c: int, target: str = "cpu") -> flo
     [d, V/(pp tp)] until the reduce-scatter (the 3B shape at dp 8: bf16 [3072, 32000] and f32 buffers
     of that shape beside the logits)."""
     vocab = config.model.vocab_size / (config.mesh.pp * config.mesh.tp)
-    if target != "gpu":
+    if not blk.gpu:
         return 3 * 4 * t * vocab + 4 * t * config.model.d_model
-    gathered = (c + 4) * vocab * config.model.d_model if config.zero.stage >= 3 and data_ways(config) > 1 else 0
+    gathered = (c + 4) * vocab * config.model.d_model if blk.regathers else 0
     return 2 * 4 * t * vocab + 4 * t * config.model.d_model + gathered
 
 
@@ -278,7 +278,7 @@ def _activations(config: Config, c: int, target: str) -> dict:
     live_mb, ring = _pipeline_live(config, c * b * s * m.d_model / blk.seq_split, target)
     saved = live_mb * layers * dev
     host_saved = live_mb * layers * host
-    work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, b * s, c, target))
+    work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, blk, b * s, c))
     out = {"saved": saved, "saved_host": host_saved, "pipeline_buffers": ring, "working_set": work,
            "cpu_f32_twins": 0.0}
     if target == "cpu":  # the host bytes count, and bf16 residual stacks get an f32 twin
@@ -442,8 +442,7 @@ def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.
         update += 4 * llm  # the fp32 accumulators are still live when the reduction starts
     freed = st["params_device"] if bf16 else 0.0
     update = max(update - freed, 0.0)
-    guard = nan_guard_for(config.train, "gpu" if target == "gpu" else "cpu")
-    if target == "gpu" and not st["opt_on_host"] and guard == "select":
+    if target == "gpu" and not st["opt_on_host"] and nan_guard_for(config.train, target) == "select":
         # the guard fused into each leaf's update: Adam in place, beside the gradients it reads (the
         # reduced ones, their fp32 widening and the clipped copy; docs/design.md "The NaN guard")
         update = max(reduced + 4 * st["opt_params"] + clipped + adam_work - freed, 0.0)

@@ -38,7 +38,7 @@ HOST_LINK_ROWS = (("params_in", "parameter shards in (fwd + bwd, per microbatch)
 def select_guard_peak(config: Config, target: str, compute_capability: float, cond: float) -> float | None:
     """The planned peak with train.nan_guard=select, when a cond asked for by name makes the step's peak
     (`cond`, planned) at least 5% higher on a GPU (docs/design.md "The NaN guard"); else None."""
-    if target != "gpu" or nan_guard_for(config.train, "gpu") != "cond":
+    if target != "gpu" or nan_guard_for(config.train, target) != "cond":
         return None
     select = dataclasses.replace(config, train=dataclasses.replace(config.train, nan_guard="select"))
     peak = memory.estimate(select, target, compute_capability)["per_device_bytes"]["peak"]
