@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow test-learning dry-run plan bench-gpu clean gpu-aot
+.PHONY: run test test-slow test-learning dry-run plan bench-gpu test-gpu gpu-check clean gpu-aot
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,26 @@ plan: $(STAMP)
 ## under 5 minutes on one H200; runs/bench_gpu/bench_gpu.{json,md}). `--smoke` runs it on CPU with a tiny model.
 bench-gpu: $(STAMP)
 	$(BIN)/python scripts/bench_gpu.py --out_dir runs/bench_gpu
+
+## On a GPU machine without network whose Python already has jaxpar's dependencies (a lent GPU): SYSTEM_PYTHON=python3
+## runs the GPU targets below with it, from this checkout, instead of creating .venv.
+ifdef SYSTEM_PYTHON
+GPU_PY := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(SYSTEM_PYTHON)
+GPU_DEPS :=
+else
+GPU_PY := $(BIN)/python
+GPU_DEPS := $(STAMP)
+endif
+
+## The GPU lane: the tests marked `gpu` (tests/test_on_gpu_*.py) on this machine's NVIDIA GPU, under the XLA flag
+## bundle (one GPU, under 8 minutes). Without a GPU it lists them and fails with one line.
+test-gpu: $(GPU_DEPS)
+	$(GPU_PY) scripts/gpu_check.py --lane
+
+## One command for a lent GPU: the lane (one process per test file), then bench-gpu, within 10 minutes on one H200;
+## writes runs/gpu_check/report.md and report.json (GPU_CHECK_ARGS: e.g. --out_dir DIR --commit SHA).
+gpu-check: $(GPU_DEPS)
+	$(GPU_PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

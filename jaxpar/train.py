@@ -4,7 +4,8 @@
 
 A config mistake prints one line naming the key and the fix and exits 2; no traceback.
 On GPUs the XLA flag bundle of jaxpar/compiler/xla_flags.py is merged into XLA_FLAGS before JAX starts (a flag
-already in XLA_FLAGS wins), and the line saying so is printed. Training turns on JAX's persistent
+already in XLA_FLAGS wins), and the line saying so is printed; so is the allocator's memory fraction, set to
+jaxpar's budget (jaxpar.compiler.hardware.apply_memory_fraction) unless the user set one. Training turns on JAX's persistent
 compilation cache in compile.cache_dir (default ~/.cache/jaxpar/xla; see enable_compilation_cache), so a
 restarted run loads its compiled step instead of compiling it again.
 """
@@ -159,10 +160,12 @@ def run(argv: list[str]) -> int:
         check_paths(config)
         config = resolve_action_range(config, workdir, is_primary=launch_process_index(args.process_id) == 0)
 
+    from jaxpar.compiler.hardware import apply_memory_fraction
     from jaxpar.compiler.xla_flags import apply_gpu_bundle
 
     is_first = launch_process_index(args.process_id) == 0
     apply_gpu_bundle(announce=print if is_first else None, force=gpu is not None)  # before JAX starts: read once
+    apply_memory_fraction(announce=print if is_first else None)  # likewise (a GPU dry run has no allocator)
     from jaxpar.parallel.mesh import Layout, devices_for, emulate_cpu_devices, maybe_initialize_distributed
 
     layout = Layout.for_config(config)

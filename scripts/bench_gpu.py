@@ -42,6 +42,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `python scripts/bench_gpu.py` from a plain checkout (no pip install -e)
 
+from jaxpar.compiler.hardware import apply_memory_fraction  # noqa: E402
 from jaxpar.config import (Config, MeshConfig, ModelConfig, RematConfig, TrainConfig,  # noqa: E402
                            ZeroConfig, validate)
 
@@ -188,8 +189,9 @@ def run_variant(args) -> None:
 # ----------------------------------------------------------------------------- parent
 
 def child_env(args, probing: bool) -> dict:
-    """On GPUs let the one running variant take 95% of the memory (JAX's default is 75%) and keep the
-    probe from reserving any. --smoke: CPU, cheap XLA optimisation and a compilation cache shared by
+    """On GPUs give the one running variant's allocator jaxpar's memory budget, as jaxpar.train does
+    (jaxpar.compiler.hardware.apply_memory_fraction; JAX's default is 75%; a fraction you set wins) and
+    keep the probe from reserving any. --smoke: CPU, cheap XLA optimisation and a compilation cache shared by
     the run's children (the remat variants share their init program): compiling is all its time."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -201,7 +203,7 @@ def child_env(args, probing: bool) -> dict:
     if probing:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     else:
-        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+        apply_memory_fraction(env)
     return env
 
 

@@ -1,6 +1,9 @@
 """Every test runs on 8 emulated CPU devices (set before JAX's first backend use), with the trainer's
 load-tolerant collective timeout (the suite runs in 2 workers on 2 cores), and compiles in-process
-programs with XLA's backend (LLVM codegen) optimisation level 0 (see fast_codegen_in_this_process)."""
+programs with XLA's backend (LLVM codegen) optimisation level 0 (see fast_codegen_in_this_process).
+
+The GPU lane (tests marked `gpu`, `make test-gpu`, scripts/gpu_check.py) sets JAXPAR_GPU_LANE=1: its programs
+compile with XLA's defaults and the flag bundle a GPU run uses, and a `gpu` test fails, not skips, without one."""
 
 from jaxpar.parallel.mesh import emulate_cpu_devices
 
@@ -8,6 +11,7 @@ emulate_cpu_devices(8)
 
 import dataclasses  # noqa: E402
 import importlib  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
 
@@ -42,7 +46,9 @@ def fast_codegen_in_this_process() -> None:
         os.environ["XLA_FLAGS"] = flags
 
 
-fast_codegen_in_this_process()
+GPU_LANE = os.environ.get("JAXPAR_GPU_LANE") == "1"
+if not GPU_LANE:  # the lane checks the program a GPU run compiles: XLA's default optimisation
+    fast_codegen_in_this_process()
 
 from jaxpar.config import Config, MeshConfig, ModelConfig, TrainConfig, ZeroConfig, validate  # noqa: E402
 from jaxpar.parallel.mesh import Layout  # noqa: E402
@@ -77,6 +83,28 @@ def tp_local_params(model, tp: int) -> int:
 def replace(config: Config, **groups) -> Config:
     """Return `config` with whole groups replaced, e.g. replace(c, zero=ZeroConfig(stage=2))."""
     return dataclasses.replace(config, **groups)
+
+
+def pytest_runtest_setup(item):
+    """A `gpu` test without an NVIDIA GPU fails with one line (the lane must not pass green as skips)."""
+    if item.get_closest_marker("gpu") and jax.default_backend() != "gpu":
+        pytest.fail(f"needs an NVIDIA GPU (JAX's default backend here is {jax.default_backend()}): run the "
+                    f"`gpu` tests with `make test-gpu` on a GPU machine", pytrace=False)
+
+
+def pytest_runtest_logreport(report):
+    """JAXPAR_LANE_RESULTS=FILE (scripts/gpu_check.py): one JSON line per test outcome, with what the test measured
+    (record_property), for the GPU check's report."""
+    path = os.environ.get("JAXPAR_LANE_RESULTS")
+    if not path or not (report.when == "call" or report.outcome != "passed"):
+        return
+    lines = report.longreprtext.strip().splitlines() if report.failed else []
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]  # the assertion's own lines
+    message = " / ".join(errors[:3] or lines[-1:])[:500]
+    with open(path, "a") as out:
+        out.write(json.dumps({"test": report.nodeid, "phase": report.when, "outcome": report.outcome,
+                              "seconds": round(report.duration, 2), "message": message,
+                              "measured": {k: str(v) for k, v in report.user_properties}}) + "\n")
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ OTHER_KEYS = {
     "train.warmup_steps": int, "train.min_lr_ratio": float, "train.weight_decay": float, "train.b1": float,
     "train.b2": float, "train.eps": float, "train.grad_clip": float, "train.grad_accum": int, "train.log_every": int,
     "model.rope_theta": float, "model.norm_eps": float, "model.init_std": float, "remat.policy": str,
-    "hardware.peak_tflops": float, "pipeline.schedule": str, "pipeline.microbatches": int,
+    "hardware.peak_tflops": float, "hardware.memory_gb": float, "pipeline.schedule": str, "pipeline.microbatches": int,
     "pipeline.virtual_stages": int, "pipeline.stage_recompute": bool,
     "offload.optimizer": bool, "offload.master_weights": bool, "offload.params": bool, "offload.update": str,
     "model.kind": str, "model.prefix_lm": bool, "model.text_loss": bool,

@@ -33,6 +33,16 @@ def test_offloaded_params_live_on_host_and_train_as_one_device():
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state)} == {"device"}
 
 
+def test_offloaded_params_on_one_device_train_as_without():
+    """dp = 1 (one GPU offloading its parameters): no ZeRO-3 gather copies the host weights in, so each use does
+    (Collectives.fetch_host_weights); was a traceback at the embedding."""
+    base = dataclasses.replace(make_config(stage=3), remat=FULL)
+    _, losses, state = run(offloaded(make_config(stage=3)))
+    _, want, _ = run(base)
+    np.testing.assert_array_equal(losses, want)
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {HOST}
+
+
 @pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_bf16_with_the_optimizer_offloaded_too_trains_as_without_offload():
     base = dataclasses.replace(make_config(dp=4, stage=3, precision="bf16", model=dataclasses.replace(

@@ -107,19 +107,36 @@ def component_report(builder: StepBuilder, state) -> dict:
     return layouts
 
 
+def compile_step(builder: StepBuilder, state) -> tuple:
+    """(lowered, compiled, seconds) of the train step for the builder's mesh, traced from `state`'s shapes
+    and shardings (abstract: nothing is allocated). The trainer runs this very executable, compiled
+    before it allocates the state, so that its preflight can refuse a step that will not fit
+    (jaxpar.training.preflight); the dry run reports on it."""
+    start = time.perf_counter()
+    with order.ordering(builder.mesh.devices.flat[0].platform == "cpu"):  # only CPU programs are ordered
+        lowered = builder.jit_train_step().lower(state, builder.abstract_batch())
+    compiled = lowered.compile()
+    return lowered, compiled, time.perf_counter() - start
+
+
+def compiled_bytes(compiled) -> dict[str, int]:
+    """Per-device bytes of a compiled step from XLA's memory analysis: argument, output, alias (outputs
+    written into donated arguments), temp, and the peak = argument + output - alias + temp."""
+    mem = compiled.memory_analysis()
+    out = {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
+           "alias": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
 def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callable | None = None) -> dict:
     """The report of the train step compiled for `mesh`'s devices (`gpu`: the GPU target they are).
     `planner(config, gpu name, devices per node)`: the planner's figures for the same layout, shown
     beside the GPU compiler's under "planner" (jaxpar.planner.report.gpu_figures; the entry point
     hands it in, so the compiler's reading of its own program imports no planner)."""
     builder = StepBuilder(config, mesh)
-    state, batch = builder.abstract_state(), builder.abstract_batch()
-    start = time.perf_counter()
-    with order.ordering(mesh.devices.flat[0].platform == "cpu"):  # only CPU programs are ordered
-        lowered = builder.jit_train_step().lower(state, batch)
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - start
-    mem = compiled.memory_analysis()
+    state = builder.abstract_state()
+    lowered, compiled, compile_s = compile_step(builder, state)
     params = param_bytes(builder, state.params, list(state.params))
     opt = bytes_by_memory_kind((state.master, state.opt_state))
     per_device = {
@@ -127,12 +144,8 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
         "params_host": params.get("pinned_host", 0),
         "opt_state": opt.get("device", 0),
         "opt_state_host": opt.get("pinned_host", 0),
-        "argument": mem.argument_size_in_bytes,
-        "output": mem.output_size_in_bytes,
-        "alias": mem.alias_size_in_bytes,
-        "temp": mem.temp_size_in_bytes,
+        **compiled_bytes(compiled),
     }
-    per_device["peak"] = per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"]
     model_flops = model_flops_per_step(config, builder.seq_len)
     text = compiled.as_text()
     executed = hlo_flops.executed_flops(text, tuple(SLOT_SCOPES.values()))
@@ -190,15 +203,18 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
 
 
 def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
-    """What only a GPU program says: the target, whether the step fits its HBM, and the library
-    kernels it calls (cuDNN attention is taken only if the program has its custom calls; its forward
+    """What only a GPU program says: the target, whether the step fits the memory budget (the share
+    of its HBM the planner plans with and a GPU run gives XLA's allocator: hardware.memory_budget), and
+    the library kernels it calls (cuDNN attention is taken only if the program has its custom calls; its forward
     calls are one per layer and microbatch, two where remat re-runs it in the backward)."""
     calls = hlo_flops.custom_call_counts(text)
     fmha = {target: n for target, n in calls.items() if target.startswith("__cudnn$fmha")}
     cudnn = sum(fmha.values())
     backward = sum(n for target, n in fmha.items() if "Backward" in target)
     gemms = sum(n for target, n in calls.items() if target.startswith("__cublas$"))
-    return {"target": gpu.name, "hbm_bytes": gpu.memory_bytes, "fits": per_device["peak"] <= gpu.memory_bytes,
+    usable = hardware.get(gpu.name).usable_bytes
+    return {"target": gpu.name, "hbm_bytes": gpu.memory_bytes, "usable_bytes": usable,
+            "fits": per_device["peak"] <= usable,
             "kernels": {"attention": "cudnn" if cudnn else "xla", "cudnn_attention_calls": cudnn,
                         "cudnn_attention_forward_calls": cudnn - backward, "cudnn_attention_backward_calls": backward,
                         "gemm_calls": gemms}}
@@ -260,7 +276,7 @@ def _devices_text(report: dict) -> str:
 
 
 def gpu_text(report: dict) -> list[str]:
-    """The GPU target's lines: fit against its HBM, and the kernels read from the program."""
+    """The GPU target's lines: fit against its memory budget, and the kernels read from the program."""
     if "target" not in report:
         return []
     b, k = hlo_collectives.human_bytes, report["kernels"]
@@ -271,7 +287,8 @@ def gpu_text(report: dict) -> list[str]:
     planned_step = f" (planner: {plan['step_s']:.4g} s, MFU {plan['mfu']:.1%})" if plan else ""
     hint = [f"  the update is the peak: train.nan_guard=select updates in place (planner: {b(plan['select_guard_peak_bytes'])})"
             ] if plan and plan.get("select_guard_peak_bytes") else []
-    return [f"  {fit} in {report['target']}'s {b(report['hbm_bytes'])} (peak {peak}{planned_peak}; "
+    usable = f"{b(report['usable_bytes'])} usable of {b(report['hbm_bytes'])}"
+    return [f"  {fit} in {report['target']}'s {usable} (peak {peak}{planned_peak}; "
             f"NaN guard {report['nan_guard']})", *hint,
             f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls: "
             f"{k['cudnn_attention_forward_calls']} forward, {k['cudnn_attention_backward_calls']} backward), "

@@ -31,7 +31,7 @@ import pathlib
 import sys
 
 from jaxpar.errors import ConfigError
-from jaxpar.compiler.hardware import ALIASES  # the planner's profile names
+from jaxpar.compiler.hardware import ALIASES, GB, PROFILES  # the planner's profile names and memory
 
 INSTALL = "make gpu-aot (or pip install 'jaxpar[gpu-aot]')"
 # Where `make gpu-aot` puts the compiler's packages (pip --target), outside the venv: installed there, the
@@ -52,19 +52,25 @@ class GpuTarget:
     cores: int  # streaming multiprocessors
     fpus_per_core: int
     clock_ghz: float
-    memory_bytes: int
+    memory_bytes: int  # the driver's total: the planner profile's hbm_gb, one figure for both (_memory)
     memory_bandwidth: int  # bytes/s
     l2_bytes: int
     shared_memory_per_core: int
     shared_memory_per_block_optin: int
 
 
+def _memory(name: str) -> int:
+    """Device memory in bytes, from the planner's profile: the planner, the dry run's `fits` and the
+    program XLA compiles see one figure (jaxpar.compiler.hardware.memory_budget)."""
+    return round(PROFILES[name].hbm_gb * GB)
+
+
 TARGETS = {t.name: t for t in (
-    GpuTarget("h100-80gb", "NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, 84_942_979_072, 3_352_320_000_000,
+    GpuTarget("h100-80gb", "NVIDIA H100 80GB HBM3", (9, 0), 132, 128, 1.98, _memory("h100-80gb"), 3_352_320_000_000,
               52_428_800, 233_472, 232_448),
-    GpuTarget("h200", "NVIDIA H200 141GB HBM3e", (9, 0), 132, 128, 1.98, 151_397_597_184, 4_800_000_000_000,
+    GpuTarget("h200", "NVIDIA H200 141GB HBM3e", (9, 0), 132, 128, 1.98, _memory("h200"), 4_800_000_000_000,
               52_428_800, 233_472, 232_448),
-    GpuTarget("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, 85_100_068_864, 2_039_040_000_000,
+    GpuTarget("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 108, 64, 1.41, _memory("a100-80gb"), 2_039_040_000_000,
               41_943_040, 167_936, 166_912),
 )}
 

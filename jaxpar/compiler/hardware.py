@@ -1,10 +1,15 @@
-"""Hardware profiles for the planner: peak bf16 FLOP/s, HBM, and link bandwidths.
+"""Hardware profiles for the planner: peak bf16 FLOP/s, HBM, and link bandwidths; and the one memory budget.
 
 Everything here is editable: `--hardware_json FILE` (or a JSON string) overrides any field of any
 profile or adds a new one, e.g. `{"a100-80gb": {"ib_gbps_per_node": 200}}`.
 
-Sources. Peak dense bf16 and HBM figures are the vendors' data sheets (A100-80GB SXM 312 TFLOP/s,
-2.0 TB/s; H100-80GB SXM 989 TFLOP/s, 3.35 TB/s; H200 989 TFLOP/s, 141 GB, 4.8 TB/s). NVLink is the
+Sources. Peak dense bf16 and HBM bandwidth are the vendors' data sheets (A100-80GB SXM 312 TFLOP/s,
+2.0 TB/s; H100-80GB SXM 989 TFLOP/s, 3.35 TB/s; H200 989 TFLOP/s, 4.8 TB/s). `hbm_gb` is the memory the
+CUDA driver reports as the device's total, which is what the allocator's fraction multiplies
+(memory_budget): the data sheets' "80GB" and "141 GB" are binary gigabytes. H200: 150.11 GB, measured
+(jax's `bytes_limit` at XLA_PYTHON_CLIENT_MEM_FRACTION=1.0 on one H200, 2026-12-04); A100 / H100: XLA's
+GPU spec files (xla/backends/gpu/target_config/specs/), 85.1 / 84.9 GB, not measured (XLA's H200 file
+says 151.40 GB, 0.9% more than that H200's driver). NVLink is the
 per-GPU bidirectional figure (A100 600 GB/s, the seed's table 6.3; H100/H200 900 GB/s). The
 inter-node figures are the seed's (table 6.3 and section 8.1): InfiniBand 200 Gbps = 25 GB/s per
 NIC, 4 NICs per node ("4 x IB 200Gbps, recommended"); RoCE v2 100 Gbps = 12.5 GB/s per NIC, 8 NICs
@@ -14,17 +19,30 @@ per node ("8 x RoCE 100Gbps, acceptable"); PCIe Gen5 64 GB/s for host offload.
 (the 1B Llama on an H200, BENCHMARKS.md): 0.55 puts the GPU dry run's estimate (jaxpar.compiler.gpu_program)
 within 5% of the three measured step times. The planner and that estimate share it; recalibrate
 whenever a GPU measurement lands. Large models' GEMMs likely run faster than the 1B model's.
+
+The memory budget (`memory_budget`, USABLE_FRACTION; docs/design.md "The memory budget") is the one
+definition of the device memory a run may plan for: the planner's fit, the GPU dry run's `fits` and
+the runtime's allocator (`apply_memory_fraction`: XLA_PYTHON_CLIENT_MEM_FRACTION, set before JAX starts
+on GPUs) all use it, and the trainer's preflight (jaxpar.training.preflight) checks the compiled step
+against the allocator's resulting limit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 
+from jaxpar.compiler.xla_flags import runs_on_gpu
 from jaxpar.errors import ConfigError
 
 GB = 1e9
+# The share of each GPU's memory given to XLA's allocator and every plan is held to: memory_budget says why.
+USABLE_FRACTION = 0.90
+# The allocator's fraction, as jaxlib reads it: the new name and the deprecated one (setting both is an
+# error in jaxlib's generate_pjrt_gpu_plugin_options, so a user's value under either name wins alone).
+MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 MATMUL_EFFICIENCY = 0.55  # the H200 calibration (module docstring); Hardware's default
 KERNEL_LAUNCH_S = 3e-6  # per GPU kernel: launch and tail of a small grid (an assumption; gpu_program, planner)
 
@@ -39,7 +57,7 @@ class Hardware:
     ib_gbps_per_node: float  # inter-node bandwidth of one node, all NICs together (GB/s, one direction)
     pcie_gbps: float = 64.0
     matmul_efficiency: float = MATMUL_EFFICIENCY  # fitted (see module docstring)
-    usable_hbm_fraction: float = 0.95  # CUDA context, allocator fragmentation, NCCL buffers
+    usable_hbm_fraction: float = USABLE_FRACTION  # memory_budget's; --hardware_json may plan another
     compute_capability: float = 9.0  # 8.0 Ampere, 9.0 Hopper: what cuDNN attention may run (planner/kernels.py)
 
     @property
@@ -48,17 +66,69 @@ class Hardware:
 
     @property
     def usable_bytes(self) -> float:
-        return self.hbm_gb * GB * self.usable_hbm_fraction
+        return memory_budget(self.hbm_gb * GB, self.usable_hbm_fraction)
+
+
+def memory_budget(device_bytes: float, fraction: float = USABLE_FRACTION) -> float:
+    """The bytes of a device's memory a run may use: `fraction` of its total (the CUDA driver's figure).
+
+    The one definition of usable memory: the planner plans against it (Hardware.usable_bytes), the GPU
+    dry run's `fits` compares the compiled peak with it, and on GPUs jaxpar.train gives XLA's allocator
+    exactly this share (apply_memory_fraction), so what was planned is what the allocator hands out
+    (and what XLA:GPU compiles against: it schedules and rematerialises for the allocator's limit).
+
+    Why 0.90, not JAX's default 0.75 (64 GB of an 80 GB card: the plans of 66-71 GB ran out of memory at
+    start) nor the 0.95 the planner and the launch scripts used: the rest of the memory holds what lives
+    outside XLA's pool. On one H200 training llama_tiny in bf16 (cuDNN attention, cuBLAS GEMMs) that was
+    0.67 GB: the CUDA context and the kernels loaded (nvidia-smi's peak minus the pool, 2026-12-04). A node
+    of 8 GPUs running a 3D layout adds NCCL: every group a device joins (tp, dp, pp, cp) is a communicator
+    with its own buffers from cudaMalloc, NCCL_BUFFSIZE (4 MiB) per channel, peer and protocol, hundreds
+    of MB each with the many channels of NVLink, more with NVLink SHARP on NVSwitch systems; and the CUDA
+    graphs of XLA's command buffers take driver memory (the CUDA plugin's out-of-memory message for them
+    says to lower this fraction). 0.95 leaves 4.3 GB of an 80 GB card for all of that, 0.90 leaves 8.5 GB
+    (15 GB on an H200): a margin that multi-GPU runs, not yet measured, are unlikely to outgrow, for 5%
+    of the memory. Inside the pool fragmentation needs no margin of its own: a step's temporaries are
+    one buffer XLA allocates whole, and the donated state is updated in place, so each step allocates
+    what the last one freed. On 80 GB cards the planner's budget hardly moved: 0.90 x 85.1 GB = 76.6 GB,
+    where it was 0.95 x 80 GB = 76.0 GB."""
+    return device_bytes * fraction
+
+
+def user_memory_fraction(environ=os.environ) -> tuple[str, str] | None:
+    """(variable, value) of an allocator fraction the user set (MEM_FRACTION_VARS), else None."""
+    for name in MEM_FRACTION_VARS:
+        if environ.get(name, "").strip():
+            return name, environ[name]
+    return None
+
+
+def apply_memory_fraction(environ=os.environ, announce=None) -> str | None:
+    """On GPUs, set XLA_PYTHON_CLIENT_MEM_FRACTION to USABLE_FRACTION unless the user set a fraction
+    (either name); returns the line that says which fraction the run has (also passed to `announce`),
+    or None off GPUs. Call before JAX starts: jaxlib reads it once, when the GPU client is made. "On
+    GPUs" is decided as for the XLA flag bundle (jaxpar.compiler.xla_flags.runs_on_gpu)."""
+    if not runs_on_gpu(environ)[0]:
+        return None
+    user = user_memory_fraction(environ)
+    if user is not None:
+        line = f"memory: {user[0]}={user[1]} (set by user; jaxpar's budget would be {USABLE_FRACTION:g})"
+    else:
+        environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{USABLE_FRACTION:g}"
+        line = (f"memory: XLA_PYTHON_CLIENT_MEM_FRACTION={USABLE_FRACTION:g} (jaxpar's budget, "
+                f"jaxpar/compiler/hardware.py: the rest is for the CUDA context, NCCL and cuBLAS)")
+    if announce is not None:
+        announce(line)
+    return line
 
 
 # The seed's table 6.3 / section 8.1 network: 4 x IB 200 Gbps per node (25 GB/s each).
 IB_4X200 = 4 * 25.0
 ROCE_8X100 = 8 * 12.5
 
-PROFILES: dict[str, Hardware] = {
-    "a100-80gb": Hardware("a100-80gb", 312.0, 80.0, 2.0, 600.0, IB_4X200, compute_capability=8.0),
-    "h100-80gb": Hardware("h100-80gb", 989.0, 80.0, 3.35, 900.0, IB_4X200),
-    "h200": Hardware("h200", 989.0, 141.0, 4.8, 900.0, IB_4X200),
+PROFILES: dict[str, Hardware] = {  # hbm_gb: the driver's total, the bytes jaxpar.compiler.gpu_aot compiles for
+    "a100-80gb": Hardware("a100-80gb", 312.0, 85.100068864, 2.0, 600.0, IB_4X200, compute_capability=8.0),
+    "h100-80gb": Hardware("h100-80gb", 989.0, 84.942979072, 3.35, 900.0, IB_4X200),
+    "h200": Hardware("h200", 989.0, 150.109945856, 4.8, 900.0, IB_4X200),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200"}
 
@@ -98,3 +168,12 @@ def get(name: str, profiles: dict[str, Hardware] | None = None) -> Hardware:
         raise ConfigError(f"unknown GPU '{name}'; known: {', '.join(sorted(profiles))} "
                           f"(add one with --hardware_json)")
     return profiles[key]
+
+
+def profile_for(device_kind: str) -> Hardware | None:
+    """The profile of the GPU jax calls `device_kind` (e.g. 'NVIDIA H100 80GB HBM3'); None if none matches."""
+    kind = device_kind.lower()
+    for key in ("h200", "h100", "a100"):
+        if key in kind:
+            return get(key)
+    return None

@@ -40,7 +40,7 @@ def _validate_ranges(config: Config) -> None:
     _require(config.checkpoint.every >= 0 and config.checkpoint.keep >= 1,
              "checkpoint.every must be >= 0 (0: at the end only) and checkpoint.keep >= 1")
     for key, value in (("eval.every", config.eval.every), ("eval.batches", config.eval.batches),
-                       ("data.workers", config.data.workers)):
+                       ("data.workers", config.data.workers), ("hardware.memory_gb", config.hardware.memory_gb)):
         _require(value >= 0, f"{key}={value} must be >= 0")
     _require(not config.data.eval or config.data.train, f"data.eval='{config.data.eval}' needs data.train: "
                                                         f"evaluation runs on real data; set data.train too")

@@ -300,9 +300,13 @@ OFFLOAD_UPDATES = ("device", "host")
 
 @dataclasses.dataclass(frozen=True)
 class HardwareConfig:
-    """Peak dense bf16 FLOP/s for MFU; `peak_tflops` overrides the table in jaxpar.training.metrics."""
+    """`peak_tflops`: peak dense bf16 FLOP/s for MFU, overriding the GPU profiles (jaxpar.compiler.hardware).
+    `memory_gb`: the memory budget per device in GB (1e9 bytes) that the trainer's preflight holds the
+    compiled step to (jaxpar.training.preflight); 0: the allocator's limit on GPUs (the device's memory x
+    jaxpar.compiler.hardware.USABLE_FRACTION unless the user set the fraction), no preflight on CPUs."""
 
     peak_tflops: float = 0.0
+    memory_gb: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

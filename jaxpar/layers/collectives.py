@@ -45,6 +45,9 @@ class Collectives:
     zero_logical_axis: str = "embed"  # which logical dim ZeRO shards
     grad_reduce_dtype: Any = None  # dtype the ZeRO taps and gathers reduce gradients in (None: the weights' own)
     zero3_prefetch: bool = False  # ZeRO-3: gather layer i+1's weights while layer i computes (scan_layers)
+    # offload.params with nothing to gather (dp = 1): the weights arrive as (host, gradient sink) pairs and are
+    # copied in at each use (fetch_host_weights); with dp > 1 ZeRO-3's gather copies them in
+    host_weights: bool = False
     # ZeRO's per-use mechanisms (grad_tap, gather_weight, prefetching_layer_scan, gathered_name), which
     # the parallel runtime hands in with the ZeRO axes: jaxpar.parallel.zero.LAYER_HOOKS. ZeRO stays in
     # that one module, and the layers import no parallel code.
@@ -205,11 +208,19 @@ class Collectives:
         the tp sums of gradients of weights replicated over tp) after the computation's input
         gradient, and before that gradient flows on."""
         if not self.taps_weights:  # nothing gathered: order the backward only (no copies)
-            return backward_ordered(x, params)
+            return backward_ordered(x, self.fetch_host_weights(params, logical_axes))
         weights = self.gather_weights(params, logical_axes, start=x)
         if self.zero2_axis or self.dp_reduce_axis:  # the taps' reductions wait for every weight's whole
             return ordered_both_ways(x, weights), cotangent_summed(weights)  # gradient (its tp sums too)
         return ordered_both_ways(x, weights), weights
+
+    def fetch_host_weights(self, params: Any, logical_axes: Any) -> Any:
+        """`params` to compute with where no ZeRO-3 gather copies them in: under `host_weights` each weight
+        copied in from host memory (zero.fetched: its gradient goes to the pair's device sink), else as they are."""
+        if not self.host_weights:
+            return params
+        structure = jax.tree.structure(logical_axes, is_leaf=is_axes_leaf)
+        return structure.unflatten([self.zero_hooks.fetch(w) for w in structure.flatten_up_to(params)])
 
     def gather_weights(self, params: Any, logical_axes: Any, start: Any = None) -> Any:
         """The weights to compute with, right before use.
@@ -259,8 +270,8 @@ class Collectives:
                                                self.zero_logical_axis, self.grad_reduce_dtype)
 
         def body(x, weights):
-            if not self.taps_weights:  # nothing to gather, and the layer's collectives
-                return layer_fn(x, weights), None     # are ordered by its data (a zb B slot drops the dW dots)
+            if not self.taps_weights:  # nothing to gather, and the layer's collectives are ordered by its
+                return layer_fn(x, self.fetch_host_weights(weights, layer_axes)), None  # data (zb B: no dW dots)
             x, weights = self.use_weights(x, weights, layer_axes)
             # ZeRO-3 under remat gathers the weights again in the backward: before the layer's own collectives
             return cotangent_after(layer_fn(x, weights), weights), None

@@ -46,6 +46,15 @@ def _fmha_named_bwd(*static_res_g):
 _fmha_named.defvjp(_fmha_named_fwd, _fmha_named_bwd)
 
 
+def _exports_dbias(bias, mask, q_BxSxNxH, layout) -> bool:
+    """Whether jax's call asks the backward for the bias gradient, as jax.nn.dot_product_attention decides it:
+    jax <= 0.10 for any bias (`should_export_dbias`); later jax (0.11 took that function out) only for a bias
+    something differentiable feeds, never for a boolean mask, the only bias jaxpar passes."""
+    if hasattr(_fmha, "should_export_dbias"):
+        return _fmha.should_export_dbias(bias.shape, q_BxSxNxH.shape, layout)
+    return mask is not None and mask.dtype != np.dtype("bool")
+
+
 def _cudnn_arguments(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask=None, is_causal=False) -> tuple:
     """The arguments of jax's cuDNN kernel call for q, k, v (scale 1/sqrt(H), the causal mask as cuDNN's
     mask type, a boolean mask as an additive bias, BTNH layout, no dropout), built from the same
@@ -59,7 +68,7 @@ def _cudnn_arguments(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask=None, is_causal=False
     bias = _fmha.combine_bias_and_mask(None, mask, q_BxSxNxH.dtype)
     _fmha.check_layout(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, bias, None, None, None, None, None, None, layout)
     has_bias = bias is not None
-    variadic_args = (has_bias, has_bias and _fmha.should_export_dbias(bias.shape, q_BxSxNxH.shape, layout))
+    variadic_args = (has_bias, has_bias and _exports_dbias(bias, mask, q_BxSxNxH, layout))
     unused = jnp.zeros(0, dtype=q_BxSxNxH.dtype)
     mask_type = _fmha.MaskType.CAUSAL if is_causal else _fmha.MaskType.NO_MASK
     return (q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, bias if has_bias else unused, unused, unused, unused, unused, unused,

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental.compute_on import compute_on
+import jax.experimental.compute_on as compute_on_api
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config, carries_instruction_bytes, image_tokens, nan_guard_for
@@ -102,6 +102,15 @@ def _check_host_memory(config: Config, mesh) -> None:
         raise ConfigError(f"{' and '.join(wants)} needs '{HOST}' memory, which {device.platform.upper()} devices "
                           f"here do not have; turn offload off")
 
+
+
+def _on_host(fn):
+    """`fn` (a jitted function) computed on the host, its outputs in host memory: jax 0.10's `compute_on` is a
+    context manager (its keyword form was `compute_on2`); from jax 0.11 `compute_on` is the keyword form, which
+    names the outputs' memory space."""
+    if hasattr(compute_on_api, "compute_on2"):
+        return compute_on_api.compute_on("device_host")(fn)
+    return compute_on_api.compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
 
 class StepBuilder:
     """Builds the abstract state, its shardings, the init function and the jitted train step."""
@@ -264,6 +273,7 @@ class StepBuilder:
         tp = tensor_axes(self.mesh) if self.config.mesh.tp > 1 else None
         return Collectives(tp_axis=tp, sequence_axis=tp if self.config.mesh.sequence_parallel else None,
                            zero3_axis=self.dp_axis if self.zero.gathers_weights else None,
+                           host_weights=self.config.offload.params and not self.zero.gathers_weights,
                            zero2_axis=self.dp_axis if self.zero.taps_grads else None, zero3_prefetch=self.zero.prefetches,
                            dp_reduce_axis=self.dp_axis if self.zero.reduces_in_backward else None,
                            context_axis=CP if self.context_ways > 1 else None,
@@ -556,7 +566,7 @@ class StepBuilder:
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         target = state.master if self.bf16 else state.params
 
-        @compute_on("device_host")
+        @_on_host
         @jax.jit
         def update(grads, opt_state, target, grad_norm, finite):
             updates, new_opt_state = self.tx.update(grads, opt_state, target, grad_norm=grad_norm)

@@ -127,10 +127,11 @@ def _variants(config: Config, dp: int, pp: int, cp: int, tp: int, splits: list[i
                                 break
 
 
-def evaluate(config: Config, hw: Hardware, gpus_per_node: int, time_unfit: bool = True) -> dict:
+def evaluate(config: Config, hw: Hardware, gpus_per_node: int, time_unfit: bool = True, target: str = "gpu") -> dict:
     """Peak, whether it fits, and the step time (`time_unfit=False`: only for a layout that fits; the
-    search ranks only those, and the step time is most of the cost: schedule tables)."""
-    mem = memory.estimate(config, "gpu", hw.compute_capability)["per_device_bytes"]
+    search ranks only those, and the step time is most of the cost: schedule tables). `target`: the
+    compiler whose memory the peak models (memory.estimate; "cpu" for the trainer's preflight on CPUs)."""
+    mem = memory.estimate(config, target, hw.compute_capability)["per_device_bytes"]
     fits = mem["peak"] <= hw.usable_bytes
     time = cost.step_time(config, hw, gpus_per_node) if fits or time_unfit else {}
     return {"config": config, "peak": mem["peak"], "fits": fits, **time}
@@ -179,15 +180,16 @@ def _one_per_layout(ranked: list[dict]) -> list[dict]:
     return out
 
 
-def recommend(config: Config, gpus: int, gpus_per_node: int, hw: Hardware, top: int = 5) -> dict:
+def recommend(config: Config, gpus: int, gpus_per_node: int, hw: Hardware, top: int = 5, target: str = "gpu") -> dict:
     """The `top` fitting layouts by estimated tokens/s, the rules each follows, and the best layout
-    that follows each rule (so a broken rule comes with its price)."""
+    that follows each rule (so a broken rule comes with its price); `target` as for `evaluate`."""
     if gpus_per_node > gpus:
         raise ConfigError(f"--gpus_per_node={gpus_per_node} is more than --gpus={gpus}; "
                           f"use --gpus_per_node <= {gpus}")
     if gpus % gpus_per_node:
         raise ConfigError(f"--gpus={gpus} is not a whole number of {gpus_per_node}-GPU nodes")
-    results = [evaluate(c, hw, gpus_per_node, time_unfit=False) for c in candidates(config, gpus, gpus_per_node)]
+    results = [evaluate(c, hw, gpus_per_node, time_unfit=False, target=target)
+               for c in candidates(config, gpus, gpus_per_node)]
     if not results:
         raise ConfigError(f"no valid (dp, pp, cp, tp) layout of {gpus} GPUs for this model and global batch "
                           f"{config.train.global_batch_size}; change --gpus or train.global_batch_size")

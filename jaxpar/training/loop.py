@@ -1,5 +1,7 @@
-"""The training loop: resume, compile once, dispatch step N then fetch step N-1's metrics, checkpoint,
-evaluate; optionally trace steps START..END with jax.profiler (jaxpar.training.profiling).
+"""The training loop: compile once (before the state is allocated, so the memory preflight of
+jaxpar.training.preflight can refuse a step that will not fit), resume, dispatch step N then fetch
+step N-1's metrics, checkpoint, evaluate; optionally trace steps START..END with jax.profiler
+(jaxpar.training.profiling).
 
 The attention kernel (`model.attention`) is resolved for the mesh's devices here, before the step
 is built, and said in one line (jaxpar.compiler.attention_choice).
@@ -27,6 +29,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxpar.compiler.attention_choice import resolve_attention
+from jaxpar.compiler.dry_run import compile_step
 from jaxpar.parallel.checkpoint import Checkpointer
 from jaxpar.config import Config, has_evaluation, profile_steps
 from jaxpar.errors import ConfigError
@@ -36,6 +39,7 @@ from jaxpar.models.flops import model_flops_per_step
 from jaxpar.parallel.evaluate import Evaluator, metrics_from_sums
 from jaxpar.parallel.processes import CompiledTogether, meet
 from jaxpar.parallel.step import StepBuilder
+from jaxpar.training import preflight
 from jaxpar.training.profiling import StepProfiler
 from jaxpar.training.watchdog import CPU_STUCK_S, StepWatchdog
 
@@ -99,18 +103,20 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
     if is_main:
         print(choice)
     builder = StepBuilder(config, mesh)
+    data = train_data(config, builder.batch_sharding())
+    # The step is compiled from abstract shapes before the state exists, so that a step that cannot fit
+    # stops here, in one line, with nothing allocated (jaxpar.training.preflight).
+    _, step_fn, compile_s = compile_step(builder, builder.abstract_state())
+    preflight.check(config, mesh, step_fn, announce=print if is_main else lambda _: None)
     checkpoints = Checkpointer(workdir, config)
     try:
-        data = train_data(config, builder.batch_sharding())
         meet("the first restore or initialisation")  # their first collectives (jaxpar.parallel.processes)
         state, start, data_state = _initial_state(builder, checkpoints)
         if data_state is not None:
             data.set_state(data_state)
-        compile_start = time.perf_counter()
-        step_fn = builder.jit_train_step().lower(state, builder.abstract_batch()).compile()
-        meet("the first training step")  # each process compiled at its own speed (jaxpar.parallel.processes)
+        meet("the first training step")  # each process initialised at its own speed (jaxpar.parallel.processes)
         progress = tqdm(total=config.train.steps, initial=start, disable=not (is_main and show_progress),
-                        unit="step", desc=f"compiled in {time.perf_counter() - compile_start:.1f}s; training")
+                        unit="step", desc=f"compiled in {compile_s:.1f}s; training")
         logger = StepLogger(MetricsWriter(workdir, enabled=is_main, resume_after=start), progress, config, builder,
                             mesh.size, start)
         evaluation = Evaluation(config, builder, logger) if has_evaluation(config) else None

@@ -11,20 +11,16 @@ import pathlib
 
 import jax
 
+from jaxpar.compiler.hardware import profile_for
 from jaxpar.files import write_atomic
-
-PEAK_BF16_TFLOPS = {"a100": 312.0, "h100": 989.0, "h200": 989.0}
 
 
 def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
     """Peak dense bf16 FLOP/s of one device; None when unknown (e.g. CPU) and not configured."""
     if override_tflops > 0:
         return override_tflops * 1e12
-    kind = jax.devices()[0].device_kind.lower()
-    for name, tflops in PEAK_BF16_TFLOPS.items():
-        if name in kind:
-            return tflops * 1e12
-    return None
+    profile = profile_for(jax.devices()[0].device_kind)
+    return profile.peak_flops if profile is not None else None
 
 
 def mfu(flops_per_step: float, step_time_s: float, n_devices: int, peak_per_device: float | None) -> float | None:
