@@ -4,9 +4,9 @@
 
 A config mistake prints one line naming the key and the fix and exits 2; no traceback.
 On GPUs the XLA flag bundle of jaxpar/compiler/xla_flags.py is merged into XLA_FLAGS before JAX starts (a flag
-already in XLA_FLAGS wins), and the line saying so is printed; so is the allocator's memory fraction, set to
-jaxpar's budget (jaxpar.compiler.hardware.apply_memory_fraction) unless the user set one. Training turns on JAX's persistent
-compilation cache in compile.cache_dir (default ~/.cache/jaxpar/xla; see enable_compilation_cache), so a
+already in XLA_FLAGS wins), and the line saying so is printed; so is the allocator's memory fraction, set
+to jaxpar's budget (jaxpar.compiler.hardware.apply_memory_fraction) unless the user set one. Training turns
+on JAX's persistent compilation cache in compile.cache_dir (default ~/.cache/jaxpar/xla; see enable_compilation_cache), so a
 restarted run loads its compiled step instead of compiling it again.
 """
 

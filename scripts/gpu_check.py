@@ -174,7 +174,7 @@ def check(args) -> int:
               f"({report['environment'].get('probe_error', runs_on_gpu()[1])})", file=sys.stderr)
         return 1
     with open(out_dir / "log.txt", "w") as log, tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        for path in lane_files():
+        for path in [f for f in lane_files() if not args.parts or f.name in args.parts.split(",")]:
             results = pathlib.Path(tmp) / f"{path.stem}.jsonl"
             timeout = min(PART_TIMEOUT.get(path.name, 150), left() - args.bench_s)
             code, seconds = run_part(pytest_command([path], "-q", "-rfE"), lane_env(results), timeout, log)
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench_s", type=float, default=200, help="seconds kept for bench_gpu after the lane")
     parser.add_argument("--commit", default=None, help="the commit the tree is (default: git rev-parse)")
     parser.add_argument("--no_bench", action="store_true", help="the lane's parts only")
+    parser.add_argument("--parts", default="", help="only these lane files (comma-separated names), e.g. to rerun one")
     parser.add_argument("--rehearse", action="store_true",
                         help="without a GPU: every part runs (each `gpu` test fails at its setup), the bench --smoke")
     args, extra = parser.parse_known_args(argv)

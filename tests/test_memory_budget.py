@@ -26,7 +26,8 @@ from jaxpar.training.loop import train
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 EMPTY_PROGRAM = "HloModule m\n\nENTRY main {\n  ROOT c = f32[] constant(0)\n}\n"  # no kernels to count
-SYNTHETIC = ["--config.data.train=", "--config.data.eval=", "--config.data.generate=false", "--config.compile.cache_dir="]
+SYNTHETIC = ["--config.data.train=", "--config.data.eval=", "--config.data.generate=false",
+             "--config.compile.cache_dir="]
 
 
 # ----------------------------------------------------------------------------- the allocator's fraction
@@ -116,8 +117,12 @@ def test_the_budget_is_the_allocators_limit_on_gpus_memory_gb_when_set_and_none_
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
     config = load_config("llama_tiny")
     limit = 0.9 * 85e9
-    assert preflight.budget(config, fake_mesh(limit)) == (limit, "the allocator's limit, XLA_PYTHON_CLIENT_MEM_FRACTION=0.9")
-    forced = lambda gb: dataclasses.replace(config, hardware=dataclasses.replace(config.hardware, memory_gb=gb))  # noqa: E731
+    assert preflight.budget(config, fake_mesh(limit)) == (limit,
+                                                          "the allocator's limit, XLA_PYTHON_CLIENT_MEM_FRACTION=0.9")
+
+    def forced(gb):
+        return dataclasses.replace(config, hardware=dataclasses.replace(config.hardware, memory_gb=gb))
+
     assert preflight.budget(forced(40), fake_mesh(limit)) == (40e9, "hardware.memory_gb=40")
     assert preflight.budget(forced(100), fake_mesh(limit))[0] == limit  # never over what the allocator hands out
     cpu = Layout.for_config(make_config(dp=8)).make_mesh()
@@ -141,7 +146,8 @@ def test_a_gpu_step_over_the_budget_is_one_line_with_the_layout_that_fits():
     said = []
     preflight.check(config, fake_mesh(60e9), fake_compiled(50e9), announce=said.append)
     assert len(said) == 1 and "fits the budget 60 GB" in said[0]
-    assert "finds no other layout of the 8 devices that fits 1e-06 GB" in preflight.recommendation(config, fake_mesh(1e3), 1e3)
+    nothing = preflight.recommendation(config, fake_mesh(1e3), 1e3)
+    assert "finds no other layout of the 8 devices that fits 1e-06 GB" in nothing
 
 
 def test_memory_gb_is_typed_and_checked():

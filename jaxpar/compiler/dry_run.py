@@ -203,16 +203,16 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
 
 
 def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
-    """What only a GPU program says: the target, whether the step fits the memory budget (the share
-    of its HBM the planner plans with and a GPU run gives XLA's allocator: hardware.memory_budget), and
-    the library kernels it calls (cuDNN attention is taken only if the program has its custom calls; its forward
-    calls are one per layer and microbatch, two where remat re-runs it in the backward)."""
+    """What only a GPU program says: the target, whether the step fits the memory budget (the share of
+    its memory the planner plans with and a GPU run gives XLA's allocator: hardware.memory_budget), and
+    the library kernels it calls (cuDNN attention is taken only if the program has its custom calls; its
+    forward calls are one per layer and microbatch, two where remat re-runs it in the backward)."""
     calls = hlo_flops.custom_call_counts(text)
     fmha = {target: n for target, n in calls.items() if target.startswith("__cudnn$fmha")}
     cudnn = sum(fmha.values())
     backward = sum(n for target, n in fmha.items() if "Backward" in target)
     gemms = sum(n for target, n in calls.items() if target.startswith("__cublas$"))
-    usable = hardware.get(gpu.name).usable_bytes
+    usable = int(hardware.get(gpu.name).usable_bytes)  # whole bytes, as the rest of the report
     return {"target": gpu.name, "hbm_bytes": gpu.memory_bytes, "usable_bytes": usable,
             "fits": per_device["peak"] <= usable,
             "kernels": {"attention": "cudnn" if cudnn else "xla", "cudnn_attention_calls": cudnn,

@@ -11,7 +11,6 @@ import fractions
 import pathlib
 import threading
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -38,7 +37,10 @@ def resize(image: Image.Image, size: int, method: str = "area") -> np.ndarray:
 def decode_video(path: pathlib.Path, times: np.ndarray, size: int, tolerance: float,
                  method: str = "area") -> np.ndarray:
     """uint8 [len(times), size, size, 3]: the frames nearest `times` (seconds in the file), from one
-    seek to the keyframe before the first and one forward decode through the last."""
+    seek to the keyframe before the first and one forward decode through the last. PyAV is imported here, not
+    with the module: only a LeRobot dataset's video needs it (a VLA on its own episodes or synthetic data does not)."""
+    import av
+
     got_t, got = [], []
     try:
         with av.open(str(path)) as container:

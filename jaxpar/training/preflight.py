@@ -88,6 +88,7 @@ def _agreed_minimum(value: float | None) -> float | None:
     if jax.process_count() == 1:
         return value
     meet("the memory preflight")  # the run's first collective follows: processes compiled at their own speeds
+    # float32 (JAX without x64): within 1e-7 of each limit, and the same array on every process
     values = multihost_utils.process_allgather(np.array([np.inf if value is None else value], np.float32))
     lowest = float(np.min(values))
     return None if np.isinf(lowest) else lowest
@@ -101,7 +102,8 @@ def recommendation(config: Config, mesh, limit: float) -> str:
     per_process = sum(1 for device in mesh.devices.flat if device.process_index == jax.process_index())
     target = "cpu" if mesh.devices.flat[0].platform == "cpu" else "gpu"
     try:
-        ranked = recommend.recommend(config, devices, per_process, _hardware(mesh, limit), top=2, target=target)["ranked"]
+        ranked = recommend.recommend(config, devices, per_process, _hardware(mesh, limit), top=2,
+                                     target=target)["ranked"]
     except ConfigError:  # no layout fits (or none is valid): the recommender's own reason is about GPUs
         ranked = []
     others = [(r, overrides(config, r["config"])) for r in ranked]
