@@ -79,7 +79,7 @@ def test_the_dry_runs_fits_and_the_planner_share_one_budget(name, monkeypatch):
     budget = memory_budget(gpu.memory_bytes)
     assert hw.usable_bytes == pytest.approx(budget, abs=1.0) and budget == USABLE_FRACTION * gpu.memory_bytes
     config = load_config("llama_tiny")
-    for peak, fits in ((budget, True), (0.95 * gpu.memory_bytes, False), (0.999 * gpu.memory_bytes, False)):
+    for peak, fits in ((int(budget), True), (int(0.95 * gpu.memory_bytes), False), (gpu.memory_bytes - 1, False)):
         fields = dry_run.gpu_fields(gpu, {"peak": peak}, EMPTY_PROGRAM)
         assert fields["fits"] is fits and fields["usable_bytes"] == pytest.approx(budget, abs=1.0)
         monkeypatch.setattr(memory, "estimate", lambda *a, p=peak, **k: {"per_device_bytes": {"peak": p}})
