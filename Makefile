@@ -56,13 +56,17 @@ bench-gpu: $(STAMP)
 
 ## On a GPU machine without network whose Python already has jaxpar's dependencies (a lent GPU): SYSTEM_PYTHON=python3
 ## runs the GPU targets below with it, from this checkout, instead of creating .venv.
+## Otherwise .venv gets jax's CUDA 12 plugin (pyproject's cuda12 extra) where an NVIDIA device is present.
 ifdef SYSTEM_PYTHON
 GPU_PY := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(SYSTEM_PYTHON)
 GPU_DEPS :=
 else
 GPU_PY := $(BIN)/python
-GPU_DEPS := $(STAMP)
+GPU_DEPS := $(VENV)/.cuda-installed
 endif
+$(VENV)/.cuda-installed: pyproject.toml $(STAMP)
+	if ls /dev/nvidia[0-9]* >/dev/null 2>&1; then $(BIN)/python -m pip install -q -e '.[test,cuda12]'; fi
+	touch $@
 
 ## The GPU lane: the tests marked `gpu` (tests/test_on_gpu_*.py) on this machine's NVIDIA GPU, under the XLA flag
 ## bundle (one GPU, under 8 minutes). Without a GPU it lists them and fails with one line.

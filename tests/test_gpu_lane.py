@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 CPU_ENV = {"PATH": "/usr/bin:/bin", "HOME": str(pathlib.Path.home()), "JAX_PLATFORMS": "cpu", "CI": "true"}
@@ -39,6 +41,7 @@ def test_the_lane_lists_its_tests_and_fails_in_one_line_without_a_gpu():
         "only on one (make gpu-check on a lent GPU)"]
 
 
+@pytest.mark.slow  # three pytest processes (make test's 15-minute budget; CI runs make test-slow too)
 def test_gpu_check_rehearsed_on_cpu_reports_every_lane_test(tmp_path):
     """Each lane file in its own process, every test's outcome in report.json and report.md, the commit named;
     here every `gpu` test fails at its setup with the one line saying it needs a GPU, and the check exits 1."""

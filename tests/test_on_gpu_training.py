@@ -11,7 +11,7 @@
   2026-12-04 (BENCHMARKS.md, "The GPU check"): fp32 1.7e-6 (llama_tiny) and 2.7e-5 (vla_tiny), so XLA's GPU dots
   on fp32 ran at fp32, not TF32; bf16 1.1e-5 (llama_tiny, cuDNN) and 1.9e-4 (vla_tiny, cuDNN in the ViT). Each
   model's loss falls by more than 10 times its tolerance over the 20 steps (18-23%), so a wrong run cannot pass.
-  The CPU side's command runs in every `make test` (unmarked test below);
+  The CPU side's command runs in CI (`make test-slow`: the test below);
 - the XLA flag bundle (jaxpar.compiler.xla_flags) accepted by the GPU runtime: the lane runs under it, and so does
   every GPU trainer run above.
 """
@@ -215,6 +215,7 @@ def test_shipped_config_on_the_gpu_trains_as_on_xla_cpu(name, precision, gpu_and
     assert drop > 10 * TOLERANCE[precision], f"the loss fell only {drop:.1%}: the comparison cannot tell runs apart"
 
 
+@pytest.mark.slow  # two 20-step trainer runs (make test's 15-minute budget; CI runs make test-slow too)
 def test_the_gpu_comparisons_cpu_side_trains(tmp_path):
     """The CPU half of the comparison above, as the lane runs it, for both models: 20 losses that fall by more
     than 10 x the fp32 tolerance (the bf16 runs share the command)."""
