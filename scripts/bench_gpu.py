@@ -105,14 +105,12 @@ def make_config(spec: dict, args) -> Config:
 
 def peak_flops(device_kind: str, override_tflops: float) -> tuple[float | None, str]:
     """Peak dense bf16 FLOP/s of one device from jaxpar.compiler.hardware, and where it came from."""
-    from jaxpar.compiler import hardware
+    from jaxpar.compiler.hardware import profile_for
 
     if override_tflops > 0:
         return override_tflops * 1e12, f"--peak_tflops {override_tflops:g}"
-    for key in ("h200", "h100", "a100"):  # h200 first: GH200 / H200 names must not match h100
-        if key in device_kind.lower():
-            hw = hardware.get(key)
-            return hw.peak_flops, f"jaxpar.compiler.hardware '{hw.name}': {hw.peak_tflops:g} TFLOP/s dense bf16"
+    if (hw := profile_for(device_kind)) is not None:
+        return hw.peak_flops, f"jaxpar.compiler.hardware '{hw.name}': {hw.peak_tflops:g} TFLOP/s dense bf16"
     return None, f"no peak known for '{device_kind}': MFU not computed (pass --peak_tflops)"
 
 

@@ -107,7 +107,7 @@ def environment() -> dict:
     facts = {"python": sys.version.split()[0]}
     try:
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                              env=dict(lane_env(), XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+                              env=lane_env())
         facts.update(json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else
                      {"probe_error": (done.stderr.strip().splitlines() or ["?"])[-1]})
     except (subprocess.TimeoutExpired, ValueError, IndexError) as error:

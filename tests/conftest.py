@@ -131,6 +131,18 @@ def launch_failure(run, tail: int = 1500) -> str:
     return "\n".join(clues[:60]) + "\n...\n" + run.stderr[-tail:]
 
 
+def lane_subprocess_env(platform: str, **extra: str) -> dict:
+    """The environment of a process a GPU-lane test starts (`python -m jaxpar.train`, `-m jaxpar.generate`),
+    with this checkout importable: for "cpu" pinned to XLA:CPU without the lane's GPU flags, the reference side
+    of a comparison; otherwise the lane's own (its GPU, its XLA flag bundle). `extra` variables are added."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])), **extra)
+    if platform == "cpu":
+        env = {k: v for k, v in env.items() if k not in ("XLA_FLAGS", "JAXPAR_GPU_LANE")}
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
 def require(module: str):
     """`pytest.importorskip(module)`, except in CI (CI=true, as .ci/run runs): there a missing test
     dependency is a broken install, and the tests that need it fail instead of passing green as skips."""

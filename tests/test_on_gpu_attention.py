@@ -15,6 +15,8 @@ and the block merge through the ring's own block functions with XLA's blocks, so
 GPU checks rely on cannot rot unseen.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,27 +51,14 @@ def out_and_grads(attend, q, k, v, cotangent) -> tuple:
     return (out, *pullback(cotangent.astype(out.dtype)))
 
 
-@jax.jit
-def _reference_causal(q, k, v, g):
-    return _reference(q, k, v, g, "causal")
-
-
-@jax.jit
-def _reference_prefix(q, k, v, g):
-    return _reference(q, k, v, g, "prefix")
-
-
-def _reference(q, k, v, g, masking):
+@functools.partial(jax.jit, static_argnames="masking")
+def reference(q, k, v, g, masking: str) -> tuple:
+    """fp32 XLA attention of the (bf16) inputs and its gradients: what every kernel is compared with."""
     with jax.default_matmul_precision("highest"):  # no TF32 on a GPU: the reference is fp32
         f32 = [x.astype(jnp.float32) for x in (q, k, v, g)]
         attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla",  # noqa: E731
                                                                **mask_kwargs(masking))
         return out_and_grads(attend, *f32)
-
-
-def reference(q, k, v, g, masking: str) -> tuple:
-    """fp32 XLA attention of the (bf16) inputs and its gradients: what every kernel is compared with."""
-    return (_reference_causal if masking == "causal" else _reference_prefix)(q, k, v, g)
 
 
 def relative_errors(got: tuple, want: tuple) -> list[float]:

@@ -8,14 +8,13 @@ every `make test` (the unmarked test below).
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from conftest import require
+from conftest import lane_subprocess_env, require
 
 torch = require("torch")
 transformers = require("transformers")
@@ -38,11 +37,7 @@ def hf_llama(tmp_path_factory):
 
 def generated_ids(directory: pathlib.Path, platform: str, precision: str = "highest") -> list[int]:
     """The new ids of `python -m jaxpar.generate --json` on `platform` ("cpu" or the lane's GPU)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               JAX_DEFAULT_MATMUL_PRECISION=precision)
-    if platform == "cpu":
-        env = {k: v for k, v in env.items() if k not in ("XLA_FLAGS", "JAXPAR_GPU_LANE")}
-        env["JAX_PLATFORMS"] = "cpu"
+    env = lane_subprocess_env(platform, JAX_DEFAULT_MATMUL_PRECISION=precision)
     done = subprocess.run([sys.executable, "-m", "jaxpar.generate", "--from_hf", str(directory), "--prompt_ids",
                            ",".join(map(str, PROMPT)), "--max_new_tokens", str(NEW), "--json"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import builder_for, make_config
+from conftest import builder_for, lane_subprocess_env, make_config
 from jaxpar.compiler.xla_flags import bundle_tokens, flag_name
 from jaxpar.config import DebugConfig, OffloadConfig, RematConfig
 from jaxpar.parallel.step import HOST
@@ -81,8 +81,8 @@ def test_select_nan_guard_gives_the_conds_bits_on_the_gpu(record_property):
     """Each guard leaves the whole state as it was over the NaN step, and select gives cond's bits. Compared in a
     process of its own with XLA's deterministic GPU ops: without them the cond run is not bit-equal to its own
     rerun on the GPU (the first lane run, 2026-12-04: scatter-adds in atomics), so bits could not be compared."""
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC}".strip())
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), str(REPO), env.get("PYTHONPATH")]))
+    env = lane_subprocess_env("gpu", XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC}".strip())
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env["PYTHONPATH"]])
     script = "import json, conftest, test_on_gpu_training as t; print(json.dumps(t.guard_comparison()))"
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO / "tests", env=env, capture_output=True,
                           text=True, timeout=300)
@@ -149,10 +149,7 @@ def train_command(name: str, precision: str, workdir: pathlib.Path) -> list[str]
 def start(name: str, precision: str, platform: str, root: pathlib.Path) -> tuple:
     """Start one run; (process, workdir). The CPU side gets no GPU flags; the GPU side the lane's environment."""
     workdir = root / f"{name}_{precision}_{platform}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    if platform == "cpu":
-        env = {k: v for k, v in env.items() if k not in ("XLA_FLAGS", "JAXPAR_GPU_LANE")}
-        env["JAX_PLATFORMS"] = "cpu"
+    env = lane_subprocess_env(platform)
     log = open(root / f"{workdir.name}.log", "w")
     proc = subprocess.Popen(train_command(name, precision, workdir), cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT, text=True)

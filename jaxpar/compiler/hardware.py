@@ -173,7 +173,7 @@ def get(name: str, profiles: dict[str, Hardware] | None = None) -> Hardware:
 def profile_for(device_kind: str) -> Hardware | None:
     """The profile of the GPU jax calls `device_kind` (e.g. 'NVIDIA H100 80GB HBM3'); None if none matches."""
     kind = device_kind.lower()
-    for key in ("h200", "h100", "a100"):
+    for key in ("h200", "h100", "a100"):  # h200 first: a GH200's name must not match h100
         if key in kind:
             return get(key)
     return None
