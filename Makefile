@@ -34,9 +34,10 @@ test: $(STAMP) $(GPU_AOT_STAMP)
 dry-run: $(STAMP)
 	$(BIN)/python -m jaxpar.train --config llama7b.py --dry_run --workdir runs/llama7b_dry
 
-## Tests marked slow (more layouts, the big dry runs, whole demos; CI runs them after `make test`), in 2 workers, then the proof-of-learning runs alone.
+## Tests marked slow (more layouts, the big dry runs, whole demos; CI runs them after `make test`), in 2 workers that
+## steal work from each other (a module's slow tests do not queue on one worker), then the proof-of-learning runs alone.
 test-slow: $(STAMP) $(GPU_AOT_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadscope -m slow --ignore=tests/test_learning.py
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal -m slow --ignore=tests/test_learning.py
 	$(MAKE) test-learning
 
 ## The proof-of-learning runs (llama_tiny and vla_tiny as shipped; slow tests, about 9 minutes): CI runs them last, in `make test-slow`.

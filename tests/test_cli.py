@@ -187,7 +187,8 @@ def test_short_training_run(tmp_path):
     events = list((workdir / "tb").glob("events.out.tfevents.*"))
     assert len(events) == 1 and b"loss" in events[0].read_bytes()
     saved = json.loads((workdir / "config.json").read_text())
-    assert saved["train"]["steps"] == 5 and saved["mesh"] == {"dp": 2, "pp": 1, "tp": 4, "sequence_parallel": False, "cp": 1, "cp_strategy": "all_gather"}
+    assert saved["train"]["steps"] == 5 and saved["mesh"] == {"dp": 2, "pp": 1, "tp": 4, "sequence_parallel": False, "cp": 1,
+                                                              "cp_strategy": "all_gather", "collective_matmul": "auto"}
 
 
 @pytest.mark.slow  # make test's 15-minute budget (test_short_training_run trains dp 2 x tp 4 through the CLI)
@@ -199,7 +200,8 @@ def test_tp4_mesh_emulates_its_devices(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(workdir)] == [1, 2]
     saved_mesh = json.loads((workdir / "config.json").read_text())["mesh"]
-    assert saved_mesh == {"dp": 1, "pp": 1, "tp": 4, "sequence_parallel": False, "cp": 1, "cp_strategy": "all_gather"}
+    assert saved_mesh == {"dp": 1, "pp": 1, "tp": 4, "sequence_parallel": False, "cp": 1, "cp_strategy": "all_gather",
+                          "collective_matmul": "auto"}
 
 
 def test_dry_run_report(tmp_path):

@@ -184,6 +184,9 @@ LAYOUTS = {  # in `make test`
     "ZeRO-3 prefetch": lambda: replace(make_config(dp=2, tp=4, stage=3), remat=RematConfig(policy="full")),
     "sequence parallel": lambda: replace(make_config(dp=2, tp=4, stage=1),
                                          mesh=MeshConfig(dp=2, tp=4, sequence_parallel=True)),
+    # collective matmul: each block's gather / scatter as tp - 1 permutes under its GEMMs, forward and backward
+    "sequence parallel, collective matmul": lambda: replace(make_config(dp=2, tp=4, stage=1), mesh=MeshConfig(
+        dp=2, tp=4, sequence_parallel=True, collective_matmul="on")),
     "1f1b": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1), pipeline=PipelineConfig(microbatches=4)),
     "zb": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1), pipeline=PipelineConfig(microbatches=4, schedule="zb")),
     # tp 4 over 2 KV heads: each head's gradient summed over the 2 ranks sharing it ("tpv"), ordered before
@@ -201,6 +204,9 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     "ZeRO-0": lambda: make_config(dp=2, tp=4, stage=0),
     "ZeRO-1 bf16": lambda: make_config(dp=2, tp=4, stage=1, precision="bf16"),
     "ZeRO-3": lambda: make_config(dp=2, tp=4, stage=3),
+    "collective matmul, KV heads shared (their projections keep the gather), ZeRO-2": lambda: replace(
+        make_config(dp=2, tp=4, stage=2, model=dataclasses.replace(TINY_MODEL, n_kv_heads=2)),
+        mesh=MeshConfig(dp=2, tp=4, sequence_parallel=True, collective_matmul="on")),
     "KV heads shared, ZeRO-3": lambda: make_config(dp=2, tp=4, stage=3, model=dataclasses.replace(TINY_MODEL, n_kv_heads=2)),
     "KV heads shared, 1f1b": lambda: replace(make_config(dp=2, pp=2, tp=2, stage=1, model=dataclasses.replace(
         TINY_MODEL, n_kv_heads=1)), pipeline=PipelineConfig(microbatches=4)),

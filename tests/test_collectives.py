@@ -234,9 +234,8 @@ SCALARS = 2 * 4  # the token count and the loss: two f32 scalars psum'ed over dp
 
 
 @pytest.mark.parametrize("dp,tp", MESHES)
-@pytest.mark.parametrize("stage", [0, 1])
-def test_zero01_all_reduce_gradients_over_dp(dp, tp, stage):
-    builder, _, pre = step(dp, tp, stage)
+def test_zero0_all_reduces_gradients_over_dp(dp, tp):
+    builder, _, pre = step(dp, tp, 0)
     psi = tp_local_params(TINY_MODEL, tp)
     entries = colls(pre, builder.mesh)
     count, nbytes = total(entries, "all-reduce", "dp")
@@ -244,14 +243,15 @@ def test_zero01_all_reduce_gradients_over_dp(dp, tp, stage):
     # one per weight and per layer, inside the backward's scan (issue 30: zero.reduce_tap), + 2 scalars
     assert count == N_OTHER_WEIGHTS + N_LAYER_WEIGHTS * TINY_MODEL.n_layers + 2
     assert total(entries, "reduce-scatter") == (0, 0)
-    # ZeRO-1: the updated dp-sharded weights gathered back, one all-gather per weight, in the step's own
-    # shard_map (StepBuilder._gather_params: ordered on XLA:CPU) rather than by the partitioner
-    assert total(entries, "all-gather") == ((0, 0) if stage == 0 else (N_LAYER_WEIGHTS + N_OTHER_WEIGHTS, 4 * psi))
+    assert total(entries, "all-gather") == (0, 0)  # nothing is sharded over dp
 
 
 @pytest.mark.parametrize("dp,tp", MESHES)
-def test_zero2_reduce_scatters_gradients_over_dp(dp, tp):
-    builder, _, pre = step(dp, tp, 2)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_reduce_scatter_gradients_over_dp(dp, tp, stage):
+    """ZeRO-1 is Megatron's distributed optimizer (issue 46): like ZeRO-2 it reduce-scatters each gradient
+    into the optimizer's shard, and no gradient is all-reduced whole."""
+    builder, _, pre = step(dp, tp, stage)
     psi = tp_local_params(TINY_MODEL, tp)
     entries = colls(pre, builder.mesh)
     # the reduce-scatter inputs add up to the full tp-local gradient; each rank keeps 1/dp of it. They
@@ -259,7 +259,9 @@ def test_zero2_reduce_scatters_gradients_over_dp(dp, tp):
     n_weights = N_OTHER_WEIGHTS + N_LAYER_WEIGHTS * TINY_MODEL.n_layers
     assert total(entries, "reduce-scatter", "dp") == (n_weights, 4 * psi)
     assert total(entries, "all-reduce", "dp") == (2, SCALARS)  # no gradient all-reduce, only the scalars
-    assert total(entries, "all-gather") == (N_LAYER_WEIGHTS + N_OTHER_WEIGHTS, 4 * psi)  # the updated weights
+    # the updated dp-sharded weights gathered back, one all-gather per weight, in the step's own
+    # shard_map (StepBuilder._gather_params: ordered on XLA:CPU) rather than by the partitioner
+    assert total(entries, "all-gather") == (N_LAYER_WEIGHTS + N_OTHER_WEIGHTS, 4 * psi)
 
 
 @pytest.mark.parametrize("dp,tp", MESHES)
@@ -305,7 +307,7 @@ def test_optimised_step_moves_the_zero_bytes_over_dp(stage):
     ag_count, ag_bytes = total(entries, "all-gather", "dp")
     assert {e["axis"] for e in entries} == {"dp", "tp", "dp+tp"}, entries
     assert total(entries, "all-reduce", "dp+tp") == (1, 4)  # the global gradient norm: one f32 scalar
-    if stage <= 1:
+    if stage == 0:
         per_use = N_OTHER_WEIGHTS + N_LAYER_WEIGHTS * TINY_MODEL.n_layers  # each layer's, in the backward
         assert (ar_count, ar_bytes) == (per_use + 2, 4 * psi + SCALARS)
         assert rs_count == 0
@@ -348,7 +350,7 @@ def test_gradient_reduction_dtype_follows_precision(dp, tp, stage):
     """bf16 compute reduces gradients over dp in fp32 (grad_reduce's default, as Megatron), or in bf16
     with grad_reduce=bf16; ZeRO-3's per-use weight gathers move bf16 either way."""
     psi = tp_local_params(TINY_MODEL, tp)
-    op = "all-reduce" if stage <= 1 else "reduce-scatter"
+    op = "all-reduce" if stage == 0 else "reduce-scatter"
     scalars = SCALARS if op == "all-reduce" else 0  # the f32 loss / token-count psums ride with all-reduce
 
     for grad_reduce, dtype, width in (("bf16", "bf16", 2), ("fp32", "f32", 4)):
@@ -364,6 +366,21 @@ def test_gradient_reduction_dtype_follows_precision(dp, tp, stage):
     entries = colls(pre, builder.mesh)
     assert total(entries, op, "dp", "f32")[1] == 4 * psi + scalars
     assert [e for e in entries if e["dtype"] == "bf16"] == []
+
+
+@pytest.mark.parametrize("stage,accumulate,remat", [(1, 1, "none"), (2, 1, "none"), (1, 2, "none"), (3, 1, "none"),
+                                                    (3, 1, "full")])  # ZeRO-3: its gathers' transposes, prefetched
+def test_reduce_scattered_sums_reach_the_optimizer_in_fp32(stage, accumulate, remat):
+    """bf16 weights, fp32 sums (issue 46): the reduce-scatter's fp32 result is what the update reads, not a
+    bf16 rounding of it widened again: the step's gradients leave the shard_map in fp32."""
+    config = dataclasses.replace(make_config(dp=2, tp=4, stage=stage, precision="bf16", grad_accum=accumulate),
+                                 remat=RematConfig(policy=remat))
+    assert builder_for(config).zero.prefetches == (remat == "full")
+    builder = builder_for(config)
+    params = builder.abstract_state().params
+    _, grads, _ = jax.eval_shape(builder.loss_and_grads, params, builder.abstract_batch())
+    assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_after_orders_collectives_only_on_cpu(monkeypatch):

@@ -36,7 +36,7 @@ OTHER_KEYS = {
     "actions.instruction_len": int, "actions.instruction_tokenizer": str, "checkpoint.every": int, "checkpoint.keep": int, "debug.nan_at_step": int,
     "train.on_nan": str, "train.nan_guard": str, "data.train": str, "data.eval": str, "data.generate": bool, "data.workers": int,
     "eval.every": int, "eval.batches": int,
-    "mesh.sequence_parallel": bool, "mesh.cp": int, "mesh.cp_strategy": str, "grad_reduce": str, "zero.prefetch": bool, "init.from_hf": str, "init.llm_from_hf": str, "init.vision_from_hf": str,
+    "mesh.sequence_parallel": bool, "mesh.cp": int, "mesh.cp_strategy": str, "mesh.collective_matmul": str, "grad_reduce": str, "zero.prefetch": bool, "init.from_hf": str, "init.llm_from_hf": str, "init.vision_from_hf": str,
     "model.rope_scaling_factor": float, "model.rope_low_freq_factor": float, "model.rope_high_freq_factor": float,
     "model.rope_original_max_len": int, "model.max_position": int, "vision.bias": bool,
     "model.attention": str, "vision.attention": str, "profile.steps": str,

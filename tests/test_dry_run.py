@@ -124,11 +124,11 @@ def test_state_bytes_match_zero_table_fp32(dp, tp, stage):
     assert opt_bytes == want["opt_state"] + COUNTERS
     # the library's formula, with its Psi counted from the shard shapes, is the measured shards; fp32
     # gradients have the params' shapes and dtype: the params' bytes before any ZeRO-3 split, then split
-    # over dp from ZeRO-2 on
+    # over dp from ZeRO-1 on (reduce-scattered into the optimizer's shard: issue 46)
     formula = dr.zero_formula_bytes(config, dr.local_param_count(builder), dp)
     assert (formula["params"], formula["opt_state"]) == (params_bytes, opt_bytes - COUNTERS)
     unsplit_params = params_bytes * (dp if stage == 3 else 1)
-    assert formula["grads"] == unsplit_params / (dp if stage >= 2 else 1)
+    assert formula["grads"] == unsplit_params / (dp if stage >= 1 else 1)
 
 
 # ----------------------------------------------------------------------------- 5. XLA's numbers
@@ -149,9 +149,10 @@ def test_memory_analysis_and_collectives_are_reported(dp, tp, stage):
     assert rep["collectives_requested"] and all(e["bytes"] > 0 for e in rep["collectives_requested"])
     assert 0 < rep["compile_s"] < 120
     assert (rep["devices"], rep["mesh"], rep["zero_stage"]) == (8, {"dp": dp, "pp": 1, "tp": tp}, stage)
-    # the gradients go over dp as the stage says, in fp32 (grad_reduce's default); the weights are gathered
-    # in bf16: ZeRO-3's per use, ZeRO-1 and 2's once after the update (the compute-dtype copy)
-    assert _dp_ops(rep, "f32") == [{"all-reduce"}, {"all-reduce"}, {"reduce-scatter"}, {"reduce-scatter"}][stage]
+    # the gradients go over dp as the stage says, in fp32 (grad_reduce's default): all-reduced by ZeRO-0,
+    # reduce-scattered into the optimizer's shard by ZeRO 1-3; the weights are gathered in bf16: ZeRO-3's per
+    # use, ZeRO-1 and 2's once after the update (the compute-dtype copy)
+    assert _dp_ops(rep, "f32") == [{"all-reduce"}, {"reduce-scatter"}, {"reduce-scatter"}, {"reduce-scatter"}][stage]
     assert _dp_ops(rep, "bf16") == ({"all-gather"} if stage >= 1 else set())
 
 
@@ -164,7 +165,7 @@ def _dp_ops(rep: dict, dtype: str) -> set:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_grad_reduce_bf16_moves_the_gradients_in_bf16(stage):
     rep = report(4, 2, stage, "bf16")
-    assert _dp_ops(rep, "bf16") == [None, {"all-reduce", "all-gather"}, {"reduce-scatter", "all-gather"},
+    assert _dp_ops(rep, "bf16") == [None, {"reduce-scatter", "all-gather"}, {"reduce-scatter", "all-gather"},
                                     {"reduce-scatter", "all-gather"}][stage]
     assert _dp_ops(rep, "f32") == set()
 

@@ -99,9 +99,11 @@ def test_layout_matches_single_device(dp, tp, stage):
     assert not np.allclose(ref_losses[0], ref_losses[-1], rtol=1e-4), "training must move the loss"
 
 
-def test_gradient_accumulation_matches_one_big_batch():
+# ZeRO-1 sums the microbatches' whole gradients and reduce-scatters once; ZeRO-2 reduce-scatters each microbatch
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradient_accumulation_matches_one_big_batch(stage):
     ref_grads, ref_losses, _ = reference()
-    grads, losses, _ = run(make_config(dp=2, tp=4, stage=2, grad_accum=4))
+    grads, losses, _ = run(make_config(dp=2, tp=4, stage=stage, grad_accum=4))
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_grads_close(grads, ref_grads)
 

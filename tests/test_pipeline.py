@@ -121,7 +121,11 @@ def test_without_a_dp_reduction_the_layer_gradients_are_taken_whole_after_the_la
     table = schedule.build("1f1b", 2, 4, virtual=2)
     alone = Pipeline(table, None, ("pp",))
     assert alone.final_at == {table.ticks - 1: [("head",), ("layers", None)]}  # ("first",) after its own backward
-    assert [(first, count) for _, first, count in alone._segments()] == [(p.first, p.count) for p in table.phases]
+    # the scans are cut only at the phases' ends and where the first input's gradient sums (G) start or stop
+    sums = alone.sum_ticks != schedule.IDLE
+    switches = {t for t in range(1, table.ticks) if sums[t] != sums[t - 1]}
+    ends = {p.first + p.count for p in table.phases}
+    assert {first + count for _, first, count in alone._segments()} == ends | switches
     reduced = Pipeline(table, None, ("pp", "dp"), reduce_dp=lambda part, grads: grads)
     assert sorted(part for parts in reduced.final_at.values() for part in parts if part[0] == "layers") == [
         ("layers", 0), ("layers", 1)]
@@ -219,12 +223,39 @@ def test_the_step_executes_the_pp_collectives_the_planner_counts(schedule, virtu
         if e["bytes_each"] == activation and "pp" in e["axis"].split("+"):
             got[(e["op"], e["axis"])] += e["count"]
     counted = activation_collectives(pipeline_table(config))
+    if schedule != "gpipe":  # m - 1 of the first input's gradient sums run in the ticks' G slots (one op per
+        in_ticks = collectives_in_scope(text, "pipeline_G")  # scan body that has G slots), nothing else does
+        assert set(in_ticks) == {"all-reduce"} and in_ticks["all-reduce"] >= 1
     if schedule == "zb":  # W is weight-gradient matmuls alone: no input gradient, so no tp all-reduce of it
         assert collectives_in_scope(text, "pipeline_W") == collections.Counter()
         assert collectives_in_scope(text, "pipeline_B")["all-reduce"] > 0  # B's input gradient (scopes read)
     assert counted["first_input"] == counted["first_input_grad"] == 4
     assert got == {("collective-permute", "pp"): counted["sends"], ("all-reduce", "pp+tp"): counted["first_input"],
                    ("all-reduce", "pp"): counted["head"] + counted["first_input_grad"]}
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("1f1b", 4, 8, 1), ("1f1b", 4, 8, 2), ("1f1b", 2, 4, 3), ("zb", 4, 8, 1)])
+def test_the_first_input_gradient_is_summed_in_the_tick_after_stage_0s_backward(kind, p, m, v):
+    """G slots: microbatch i's first-input gradient is summed over pp in the tick after stage 0's
+    chunk-0 backward of it (whose B slot wrote it), once; only the last tick's microbatch is left for
+    after the ticks. With v = 1 the sums fill the cool-down (its last p - 1 ticks)."""
+    import types
+
+    from jaxpar.parallel import schedule as pipeline_schedule
+    from jaxpar.parallel.first_input import FirstInputs
+
+    table = pipeline_schedule.build(kind, p, m, v)
+    sums = FirstInputs._grad_sum_ticks(types.SimpleNamespace(table=table))
+    stage0 = [(t, table.backward[t, 0]) for t in range(table.ticks)
+              if table.backward[t, 0] >= 0 and table.backward_chunk[t, 0] == 0]
+    assert sorted(mb for _, mb in stage0) == list(range(m))
+    assert stage0[-1][0] == table.ticks - 1  # the last microbatch's: after the ticks
+    expected = np.full(table.ticks, -1)
+    for t, mb in stage0[:-1]:
+        expected[t + 1] = mb
+    np.testing.assert_array_equal(sums, expected)
+    if v == 1:  # the cool-down's p - 1 ticks (B only) hold p - 1 of them
+        assert (sums[-(p - 1):] >= 0).all()
 
 
 # ----------------------------------------------------------------------------- memory from the compiled program

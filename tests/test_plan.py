@@ -408,8 +408,8 @@ def test_dp_traffic_by_stage_and_grad_reduce_dtype_and_what_overlaps():
     """llama7b bf16 dp=8 in one node (ZeRO's per-element bytes times the ring's (n-1)/n Psi over NVLink at
     half its bidirectional bandwidth): ZeRO-0 all-reduces fp32 gradients (2 x 4), layer by layer inside the
     backward (issue 30), hidden behind the compute but for one layer; grad_reduce=bf16 halves the bytes.
-    ZeRO-1 all-reduces the same way and gathers the bf16 weights after the update (2 x 4 + 2): the gather
-    stays exposed. ZeRO-3 reduce-scatters and gathers the layers twice (4 + 2 + 2; the embedding and head once), all inside the layer scans. tp = pp = 1: the step is the compute (one 4096-token sequence
+    ZeRO-1 (the distributed optimizer, issue 46) reduce-scatters the gradients layer by layer instead (4) and
+    gathers the bf16 weights after the update (+ 2): the gather stays exposed. ZeRO-3 reduce-scatters and gathers the layers twice (4 + 2 + 2; the embedding and head once), all inside the layer scans. tp = pp = 1: the step is the compute (one 4096-token sequence
     per device, full remat, counted by hand) and the exposed dp traffic."""
     hw = hardware.get("a100-80gb")
 
@@ -422,14 +422,14 @@ def test_dp_traffic_by_stage_and_grad_reduce_dtype_and_what_overlaps():
     ring = 7 / 8 * 6_738_415_616 / (600e9 / 2)  # seconds per byte of each of Llama-2-7B's parameters
     assert z0["dp_comm_s"] == pytest.approx(2 * 4 * ring, rel=1e-12)
     assert z0_bf16["dp_comm_s"] == pytest.approx(2 * 2 * ring, rel=1e-12)
-    assert z1["dp_comm_s"] == pytest.approx((2 * 4 + 2) * ring, rel=1e-12)
+    assert z1["dp_comm_s"] == pytest.approx((4 + 2) * ring, rel=1e-12)
     assert z0["dp_exposed_s"] == pytest.approx(2 * 4 * ring / 32, rel=1e-12)
     z3_bytes = (4 + 2 + 2) * ring - 2 * ring * (2 * 32000 * 4096 + 4096) / 6_738_415_616  # embedding, head, norm: 1 gather
     assert z3["dp_comm_s"] == pytest.approx(z3_bytes, rel=1e-12)
     compute_s = hand_full_remat_flops(load_config("llama7b.py").model, 1, 4096) / (hw.peak_flops * hw.matmul_efficiency)
     assert z3["dp_comm_s"] * 31 / 32 < compute_s  # so 31 of the 32 layers' shares hide
     assert z1["matmul_s"] == pytest.approx(compute_s, rel=1e-12) == z3["matmul_s"]
-    assert z1["step_s"] == pytest.approx(z1["compute_s"] + 2 * ring + 2 * 4 * ring / 32, rel=1e-12)
+    assert z1["step_s"] == pytest.approx(z1["compute_s"] + 2 * ring + 4 * ring / 32, rel=1e-12)
     assert z3["dp_exposed_s"] == pytest.approx(z3_bytes / 32, rel=1e-12)
     assert z3["step_s"] == pytest.approx(z3["compute_s"] + z3_bytes / 32, rel=1e-12)
 
@@ -437,7 +437,7 @@ def test_dp_traffic_by_stage_and_grad_reduce_dtype_and_what_overlaps():
 DP_TRAFFIC_LAYOUTS = [  # (dp, pp, cp, tp, ZeRO stage, grad_accum or the pipeline's m)
     (4, 1, 1, 2, 2, 2),  # ZeRO-2 reduce-scatters each microbatch's gradients
     (4, 1, 1, 2, 3, 2),  # ZeRO-3 also gathers each microbatch's layers twice, the embedding and head once
-    pytest.param((4, 1, 1, 2, 1, 2), marks=pytest.mark.slow),  # ZeRO-1 accumulates, then one all-reduce
+    pytest.param((4, 1, 1, 2, 1, 2), marks=pytest.mark.slow),  # ZeRO-1 accumulates, then one reduce-scatter
     pytest.param((4, 1, 1, 2, 0, 1), marks=pytest.mark.slow),
     pytest.param((2, 2, 1, 2, 2, 4), marks=pytest.mark.slow),  # a pipeline accumulates its chunks, reduces once
     pytest.param((2, 1, 2, 2, 3, 2), marks=pytest.mark.slow),  # ZeRO-3 over dp x cp
@@ -472,7 +472,7 @@ def test_pipelined_dp_reduction_hides_the_head_and_interleaved_chunks():
     """llama7b bf16 on (8, 4, 1) ZeRO-1, one 4096-token sequence per microbatch, m = 8: compute is
     seconds, the ticks long, so what the pipeline reduces before its last tick hides whole. Per device
     it holds 8 of the 32 layers and a quarter of the vocabulary (embedding and head, 32000 x 4096 each,
-    plus the final norm); the fp32 gradients' all-reduce costs 2 x 4 x ring x params, and the bf16
+    plus the final norm); the fp32 gradients' reduce-scatter costs 4 x ring x params, and the bf16
     weights' all-gather after the update (2 x ring x params) never hides. Without interleaving only the
     head's reduction runs beside the cooldown; with v = 2 the second chunk (half the layers) does too."""
     hw = hardware.get("a100-80gb")
@@ -488,8 +488,8 @@ def test_pipelined_dp_reduction_hides_the_head_and_interleaved_chunks():
     ring = 7 / 8 / (4 * 25e9 / 8)  # seconds per byte of one parameter: dp crosses nodes (4 IB NICs for 8 GPUs)
     for virtual, hidden in ((1, head), (2, head + layers / 2)):
         t = times(virtual)
-        assert t["dp_comm_s"] == pytest.approx((2 * 4 + 2) * ring * (layers + head + embed), rel=1e-12)
-        assert t["dp_exposed_s"] == pytest.approx(t["dp_comm_s"] - 2 * 4 * ring * hidden, rel=1e-9)
+        assert t["dp_comm_s"] == pytest.approx((4 + 2) * ring * (layers + head + embed), rel=1e-12)
+        assert t["dp_exposed_s"] == pytest.approx(t["dp_comm_s"] - 4 * ring * hidden, rel=1e-9)
 
 
 # ----------------------------------------------------------------------------- host offload
@@ -604,7 +604,14 @@ def test_the_plan_names_the_select_nan_guard_where_the_conditionals_copy_is_the_
     assert auto["per_device_bytes"] == select["per_device_bytes"] and auto["select_guard_peak_bytes"] is None
     assert zero3["peak_phase"] == "update"
     assert zero3["select_guard_peak_bytes"] == select["per_device_bytes"]["peak"] < 0.9 * zero3["per_device_bytes"]["peak"]
-    assert "train.nan_guard=select updates in place on GPUs: peak 19.97 GB" in report.format_plan(zero3)
+    # the select's planned peak, named in the plan, within 10% (the planner's GPU memory bound, tests/
+    # test_plan_compiled.py) of its GPU-compiled peak, 19.61 GB (2026-12-04): a bound, not the planner's figure
+    assert f"train.nan_guard=select updates in place on GPUs: peak {select['per_device_bytes']['peak'] / 1e9:.2f} GB" \
+        in report.format_plan(zero3)
+    assert select["per_device_bytes"]["peak"] == pytest.approx(19.61e9, rel=0.10)
     assert select["select_guard_peak_bytes"] is None
-    assert report.plan(llama7b("zero.stage=1", "train.nan_guard=cond"), hw, 8)["select_guard_peak_bytes"] is None  # backward peak
+    # the backward is the peak with selective remat (ZeRO-1 reduce-scatters per layer since issue 46: with full
+    # remat its update, like ZeRO-3's, is the peak under the cond)
+    selective = llama7b("zero.stage=1", "train.nan_guard=cond", "remat.policy=selective")
+    assert report.plan(selective, hw, 8)["select_guard_peak_bytes"] is None
     assert report.plan(llama7b("zero.stage=3", "train.nan_guard=cond"), hw, 8, target="cpu")["select_guard_peak_bytes"] is None

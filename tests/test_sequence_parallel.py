@@ -23,10 +23,13 @@ def with_sp(config, on: bool = True):
     return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence_parallel=on))
 
 
-@pytest.mark.parametrize("dp,tp,stage", [(2, 4, 1), (2, 2, 3), (1, 8, 2)])
-def test_sequence_parallel_matches_single_device(dp, tp, stage):
+# collective matmul (mesh.collective_matmul=on: the layers' gathers and scatters as ppermute rings under their
+# GEMMs; more cases in tests/test_collective_matmul.py)
+@pytest.mark.parametrize("dp,tp,stage,rings", [(2, 4, 1, "off"), (2, 2, 3, "off"), (1, 8, 2, "off"), (1, 8, 2, "on")])
+def test_sequence_parallel_matches_single_device(dp, tp, stage, rings):
     ref_grads, ref_losses, _ = reference()
-    grads, losses, _ = run(with_sp(make_config(dp=dp, tp=tp, stage=stage)))
+    config = with_sp(make_config(dp=dp, tp=tp, stage=stage))
+    grads, losses, _ = run(dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, collective_matmul=rings)))
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
     assert_grads_close(grads, ref_grads)
 
@@ -74,11 +77,15 @@ def test_sequence_parallel_needs_tp_and_a_divisible_sequence():
 
 # both slow (make test's 15-minute budget): make test keeps the VLA's pipeline in tests/test_vla.py and
 # sequence parallelism with a pipeline below
-@pytest.mark.parametrize("vision_tp", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
-def test_sequence_parallel_vla_matches_single_device(vision_tp):
-    """(2,2,2) 1F1B: the image + instruction prefix is assembled whole, then split over tp along S."""
+@pytest.mark.parametrize("vision_tp,collective_matmul", [pytest.param(1, "off", marks=pytest.mark.slow),
+                                                         pytest.param(2, "off", marks=pytest.mark.slow),
+                                                         pytest.param(2, "on", marks=pytest.mark.slow)])
+def test_sequence_parallel_vla_matches_single_device(vision_tp, collective_matmul):
+    """(2,2,2) 1F1B: the image + instruction prefix is assembled whole, then split over tp along S (with
+    collective matmul: the LLM's layers gather and scatter it by rings, under the prefix-LM mask)."""
     ref_losses, ref_grads, _ = test_vla.reference()
-    config = test_vla.with_values(test_vla.BASE, mesh=dict(dp=2, pp=2, tp=2, sequence_parallel=True),
+    config = test_vla.with_values(test_vla.BASE, mesh=dict(dp=2, pp=2, tp=2, sequence_parallel=True,
+                                                            collective_matmul=collective_matmul),
                                   vision=dict(tp=vision_tp), pipeline=dict(schedule="1f1b"), zero=dict(stage=1))
     losses, grads, _ = test_vla.run(config)
     np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)

@@ -39,6 +39,7 @@ from jaxpar.config import RematConfig
 DP, TP, LAYERS = 2, 4, 3  # 3 layers: a per-layer count cannot pass as a fixed one
 B, S, D = 16 // DP, 16, TINY_MODEL.d_model  # make_config's global batch 16, sequence 16; B per dp rank
 ACT, ROW, SCALAR = f"f32[{B},{S},{D}]", f"f32[{B},{S}]", "f32[]"
+TOKENS = f"f32[1,{B * S},{D}]"  # the MLP's [B, S, D] as one row of tokens (llama.per_token_block): the same bytes
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # codegen only; the HLO passes are the same
 
 
@@ -86,6 +87,8 @@ def what(chain: list[tuple[str, str, int]]) -> str:
     source = linecache.getline(path, line)
     if func == "decoder_layer":  # the two block inputs (`f`), told apart by their norm
         return {"attn_norm": "attention in", "mlp_norm": "mlp in"}[re.search(r"(attn_norm|mlp_norm)", source).group(1)]
+    if func.endswith("<lambda>") and "swiglu_mlp(coll.enter_block" in source:  # the MLP block's input (`f`)
+        return "mlp in"
     if func == "cross_entropy":  # max, normaliser, target logit of the vocab-parallel loss
         return "ce " + re.search(r"(max|sum_exp|target_logit)_BxS =", source).group(1)
     return {"attention": "attention out", "swiglu_mlp": "mlp out", "embed": "embedding",
@@ -187,7 +190,9 @@ def test_compiled_step_runs_two_tp_all_reduces_per_layer_forward_and_two_backwar
     in_loops = [c for c in tp if c["loop"]]
     seen = [(c["loop"], c["times"], c["frame"], c["operands"]) for c in in_loops]
     assert {c["times"] for c in in_loops} == {LAYERS}, seen
-    assert all(len(c["operands"]) == 1 and c["operands"][0][2] == ACT for c in in_loops), seen
+    mlp = {"mlp in", "mlp out"}  # per token: one row of B x S
+    assert all(len(c["operands"]) == 1 and c["operands"][0][2] == (TOKENS if c["operands"][0][1] in mlp else ACT)
+               for c in in_loops), seen
     per_layer = Counter((c["loop"], *c["operands"][0][:2]) for c in in_loops)
     assert per_layer == PER_LAYER[remat]
     forward = sum(n for (_, phase, _), n in per_layer.items() if phase == "forward")

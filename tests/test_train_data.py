@@ -55,7 +55,6 @@ def test_eval_records_every_n_steps_and_at_the_end_with_bits_per_byte(corpus, tm
     assert evals[0]["eval_loss"] < math.log(TEXT_MODEL.vocab_size) + 0.5
 
 
-@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_resume_reads_exactly_the_batches_an_uninterrupted_run_reads(corpus, tmp_path):
     """The grain iterator's position is in the checkpoint: resumed losses are bit-identical."""
     config = text_config(corpus, steps=6, every=0, checkpoint_every=3)

@@ -176,7 +176,7 @@ def reference(single=SINGLE):
     pytest.param((2, 2, 2), "1f1b", 2, marks=pytest.mark.slow), pytest.param((2, 2, 2), "gpipe", 2, marks=pytest.mark.slow),
     pytest.param((2, 2, 2), "zb", 2, marks=pytest.mark.slow),  # zb's split backward with the prefix mask
     ((1, 2, 4), "1f1b", 2),  # vision tp 2 inside tp 4: the tp axis is split into ("tp", "tpv")
-    ((2, 1, 4), "zero1", 2),  # no pipeline: the LLM's ZeRO-1 all-reduces in the backward (reduce taps)
+    ((2, 1, 4), "zero1", 2),  # no pipeline: the LLM's ZeRO-1 reduce-scatters in the backward (grad taps)
     pytest.param((2, 1, 4), "zero2", 2, marks=pytest.mark.slow),  # the LLM's ZeRO-2 grad taps with image tokens
     pytest.param((4, 1, 2), "zero3", 1, marks=pytest.mark.slow),  # no pipeline: the LLM's ZeRO-3 gathers with image tokens
 ])

@@ -125,6 +125,19 @@ def test_compiled_prefetch_gathers_do_not_wait_for_the_layer():
     assert len(scatters) == WEIGHTS_PER_LAYER and not any(c["after_compute"] for c in scatters)
 
 
+def test_the_saved_layer_inputs_are_never_copied_whole():
+    """The forward keeps each layer's input for the backward (full remat) as the scan's stacked output; the
+    last layer's input is kept beside it, not concatenated onto it (issue 46: that copied every input)."""
+    config = zero3_config(8, 1, N_LAYERS)
+    builder = builder_for(config)
+    lowered = builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch())
+    batch, seq = config.train.global_batch_size // 8, config.train.seq_len
+    stacked = re.compile(rf"= f32\[{N_LAYERS},{batch},{seq},{config.model.d_model}\]\S* concatenate\(")
+    text = lowered.as_text(dialect="hlo")
+    assert f"f32[{N_LAYERS - 1},{batch},{seq},{config.model.d_model}]" in text  # the scan's saved inputs
+    assert not stacked.search(text)
+
+
 @pytest.mark.parametrize("remat,prefetch", [("full", False), ("selective", True)])
 def test_without_prefetch_each_gather_feeds_its_own_layer(remat, prefetch):
     """The control: gathering on use (prefetch off, or a remat policy that keeps activations) puts

@@ -45,12 +45,15 @@ def zero_formula_bytes(config: Config, psi_local: int, dp: int) -> dict[str, flo
     """Model-state bytes per device from the ZeRO paper's table (Psi = per-(pp, tp)-shard params).
 
     bf16: 2-byte params, K = 12 (fp32 master + Adam m + v) and grads reduced in fp32 (4 bytes; the
-    paper's 2 with grad_reduce=bf16); fp32: 4 + 4, K = 8 (m + v).
+    paper's 2 with grad_reduce=bf16); fp32: 4 + 4, K = 8 (m + v). The gradients are the reduced ones:
+    jaxpar's ZeRO-1 is Megatron's distributed optimizer, which reduce-scatters them into the optimizer's
+    1/dp shard (the paper's stage 1 keeps them whole; with gradient accumulation jaxpar's does too, as
+    the fp32 sum of the microbatches, before the reduce-scatter).
     """
     stage = config.zero.stage
     p_bytes, g_bytes, k = (2, 4 if config.grad_reduce == "fp32" else 2, 12) if config.precision == "bf16" else (4, 4, 8)
     out = {"params": p_bytes * psi_local / (dp if stage >= 3 else 1),
-           "grads": g_bytes * psi_local / (dp if stage >= 2 else 1),
+           "grads": g_bytes * psi_local / (dp if stage >= 1 else 1),
            "opt_state": k * psi_local / (dp if stage >= 1 else 1)}
     out["total"] = sum(out.values())
     return out
@@ -295,9 +298,15 @@ def gpu_text(report: dict) -> list[str]:
             f"{k['gemm_calls']} cuBLAS GEMM calls",
             f"estimated step (XLA's schedule, no device): {est['step_s']:.4g} s, MFU {est['mfu']:.1%}; compute "
             f"{est['compute_s']:.4g} s, exposed communication {est['exposed_comm_s']:.4g} s{planned_step}",
-            "collectives overlapped with compute in the schedule:",
+            "collectives overlapped with compute in the schedule (exposed: compute waits / the transfers' own time):",
             *(f"  {r['op']:<18} {r['axis']:<12} {b(r['bytes']):>12} per step, {b(r['bytes_overlapped']):>12} "
-              f"overlapped, compute waits {r['exposed_s']:.4g} s" for r in report["overlap"])]
+              f"overlapped, compute waits {r['exposed_s']:.4g} s of {r['own_s']:.4g} s "
+              f"({_exposed_share(r)} exposed)" for r in report["overlap"])]
+
+
+def _exposed_share(row: dict) -> str:
+    """exposed_s over own_s as a percentage: how much of a collective's time nothing hid."""
+    return f"{row['exposed_s'] / row['own_s']:.0%}" if row["own_s"] > 0 else "-"
 
 
 def flops_text(report: dict) -> str:

@@ -17,6 +17,12 @@ Rules:
 - A flag the user already set in XLA_FLAGS wins: the bundle never overrides a name it finds there
   (whatever the value); the other bundle flags are still added.
 - The merged value is printed once at start (process 0).
+
+Not in the bundle: XLA's windowed einsum (`xla_gpu_threshold_for_windowed_einsum_mib`,
+`xla_gpu_multi_streamed_windowed_einsum`). It rewrites dots that XLA's SPMD partitioner places, and
+jaxpar's tensor-parallel collectives are written by hand in the shard_map: with both flags the
+GPU-compiled llama7b tp 8 + sequence parallelism step is the same program. jaxpar decomposes them itself
+(mesh.collective_matmul, jaxpar.layers.collective_matmul; issue 46).
 """
 
 from __future__ import annotations

@@ -169,7 +169,14 @@ def _validate_context_parallel(config: Config) -> None:
 
 def _validate_sequence_parallel(config: Config) -> None:
     """Sequence parallelism splits the LLM's sequence (a VLA's: image + instruction + action tokens) over tp."""
-    tp = config.mesh.tp
+    tp, mode = config.mesh.tp, config.mesh.collective_matmul
+    _require(mode in ("auto", "on", "off"), f"mesh.collective_matmul='{mode}' is unknown; use auto, on or off")
+    _require(mode != "on" or config.mesh.sequence_parallel,
+             "mesh.collective_matmul=on decomposes sequence parallelism's all-gather / reduce-scatter; set "
+             "mesh.sequence_parallel=true or leave it auto")
+    _require(mode != "on" or config.pipeline.schedule != "zb" or config.mesh.pp == 1,
+             "mesh.collective_matmul=on does not run in a zb pipeline (its split backward defers each linear's "
+             "weight gradient); use pipeline.schedule=1f1b or leave it auto")
     if not config.mesh.sequence_parallel:
         return
     _require(tp > 1, "mesh.sequence_parallel=true needs mesh.tp > 1 (it splits the sequence over tp); "

@@ -34,6 +34,11 @@ class MeshConfig:
     # sequence by `cp_strategy` (all_gather: K / V gathered over cp). Devices = dp x pp x cp x tp.
     cp: int = 1
     cp_strategy: str = "all_gather"
+    # Under sequence parallelism, each block's all-gather / reduce-scatter decomposed into tp ppermute steps
+    # under the GEMMs they feed (jaxpar.layers.collective_matmul): "auto" (on for GPU runs with at least 1024
+    # tokens per chunk whose layers run no dp collectives of their own, off on XLA:CPU's emulated meshes),
+    # "on" or "off"
+    collective_matmul: str = "auto"
 
     @property
     def size(self) -> int:

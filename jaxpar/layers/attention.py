@@ -2,6 +2,8 @@
 
 Q/K/V projections are column-parallel (each tp rank owns n_heads/tp query heads and n_kv_heads/tp
 KV heads, or, with more ranks than KV heads, the one KV head its query heads share; no collective); the output projection is row-parallel (one all-reduce over tp).
+Under sequence parallelism the projections' all-gather and the output's reduce-scatter are Collectives'
+(column_linears, row_linear), collective matmuls where it says so (jaxpar.layers.collective_matmul).
 
 The core attention runs on the kernel the caller names (`implementation`, plain data resolved at
 start by jaxpar.compiler.attention_choice): "xla" (jax's reference path: materialises the [B, N, S, S]
@@ -84,17 +86,21 @@ def core_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Ar
 
 def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives, prefix_len: int = 0,
               implementation: str = "xla", rope_scaling: tuple | None = None) -> jax.Array:
-    """p: wq [D, N, H], wk / wv [D, K, H], wo [N, H, D] (N, K: this tp rank's heads).
+    """p: wq [D, N, H], wk / wv [D, K, H], wo [N, H, D] (N, K: this tp rank's heads). `x_BxSxD` is the
+    block's input from Collectives.enter_block (with collective matmul still the sequence shard, which
+    the projections gather chunk by chunk: Collectives.column_linears).
 
     Causal; with `prefix_len` > 0 the prefix (e.g. image + instruction) attends bidirectionally.
     `implementation`: "xla" or "cudnn" (module docstring).
     """
     impl = kernel(implementation)
-    x_BxSxD, wk_DxKxH, wv_DxKxH = coll.kv_weights(x_BxSxD, p["wk"], p["wv"])
-    q_BxSxNxH = checkpoint_name(coll.linear("bsd,dnh->bsnh", x_BxSxD, p["wq"]), "query_proj")
-    k_BxSxKxH = checkpoint_name(coll.linear("bsd,dkh->bskh", x_BxSxD, wk_DxKxH), "key_proj")
-    v_BxSxKxH = checkpoint_name(coll.linear("bsd,dkh->bskh", x_BxSxD, wv_DxKxH), "value_proj")
-    positions_S = coll.context_positions(x_BxSxD.shape[1])  # None: 0..S-1
+    q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = coll.column_linears(
+        x_BxSxD, [("bsd,dnh->bsnh", p["wq"]), ("bsd,dkh->bskh", p["wk"]), ("bsd,dkh->bskh", p["wv"])], kv=True)
+    q_BxSxNxH = checkpoint_name(q_BxSxNxH, "query_proj")
+    k_BxSxKxH = checkpoint_name(k_BxSxKxH, "key_proj")
+    v_BxSxKxH = checkpoint_name(v_BxSxKxH, "value_proj")
+    seq_len = q_BxSxNxH.shape[1]  # the whole sequence (x may be a sequence shard)
+    positions_S = coll.context_positions(seq_len)  # None: 0..S-1
     q_BxSxNxH = rope(q_BxSxNxH, rope_theta, rope_scaling, positions_S)
     k_BxSxKxH = rope(k_BxSxKxH, rope_theta, rope_scaling, positions_S)
     if positions_S is not None and coll.context_strategy == "ring":  # K / V blocks passed around cp
@@ -104,9 +110,8 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
         mask = positions_mask(positions_S, k_positions_T, prefix_len)
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, impl, mask=mask)
     elif prefix_len > 0:
-        mask = prefix_lm_mask(x_BxSxD.shape[1], prefix_len)
+        mask = prefix_lm_mask(seq_len, prefix_len)
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, mask=mask)
     else:
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, is_causal=True)
-    out_BxSxD = coll.linear("bsnh,nhd->bsd", o_BxSxNxH, p["wo"])
-    return checkpoint_name(coll.row_parallel_sum(out_BxSxD), "attention_proj")
+    return checkpoint_name(coll.row_linear("bsnh,nhd->bsd", o_BxSxNxH, p["wo"]), "attention_proj")

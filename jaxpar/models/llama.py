@@ -85,12 +85,25 @@ def param_count(cfg: ModelConfig) -> int:
 def decoder_layer(x_BxSxD: jax.Array, p: dict, cfg: ModelConfig, coll: Collectives, prefix_len: int = 0) -> jax.Array:
     """One layer, `p` its (gathered) weights. With sequence parallelism `x_BxSxD` is this rank's
     sequence shard: the norms run on it, and each tensor-parallel block gathers the whole sequence on
-    entry and reduce-scatters on exit."""
-    h_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps))
+    entry and reduce-scatters on exit (Collectives.enter_block, column_linears, row_linear: collective
+    matmuls where the Collectives say so)."""
+    h_BxSxD = coll.enter_block(rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps))
     x_BxSxD = x_BxSxD + attention(h_BxSxD, p, cfg.rope_theta, coll, prefix_len, implementation=cfg.attention,
                                   rope_scaling=cfg.rope_scaling)
-    h_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps))
-    return x_BxSxD + swiglu_mlp(h_BxSxD, p, coll)
+    return x_BxSxD + per_token_block(lambda h: swiglu_mlp(coll.enter_block(h), p, coll),
+                                     rms_norm(x_BxSxD, p["mlp_norm"], cfg.norm_eps))
+
+
+def per_token_block(block, h_BxSxD: jax.Array) -> jax.Array:
+    """`block` (a tensor-parallel block whose work is per token: the MLP) on `h` as one row of B x S tokens.
+
+    Why: its tp collectives gather and scatter along axis 1 (sequence parallelism), and NCCL along the
+    major axis: gathered, [B, S/tp, D] lands as [S, B, D] and XLA transposes it into [B, S, D], then the
+    output back before its reduce-scatter (vla70b on the GPU compiler: ~0.02 s of the step's 0.19 s of
+    memory-bound kernels, issue 46). As [1, B x S/tp, D] the gathered tokens arrive rank-major, an order a
+    per-token block does not see, and the reduce-scatter returns each rank its own tokens in its order."""
+    b, s, d = h_BxSxD.shape
+    return block(h_BxSxD.reshape(1, b * s, d)).reshape(b, s, d)
 
 
 def run_layers(x_BxSxD: jax.Array, layers: dict, cfg: ModelConfig, coll: Collectives,
@@ -107,18 +120,29 @@ def embed_tokens(params: dict, ids_BxS: jax.Array, coll: Collectives) -> jax.Arr
     return vocab_parallel.embed(table, ids_BxS, coll)
 
 
-def head_logits(params: dict, x_BxSxD: jax.Array, cfg: ModelConfig, coll: Collectives) -> jax.Array:
-    """Final norm + vocab-parallel LM head: this rank's [B, S, V/tp] slice of fp32 logits."""
+def head_logits(params: dict, x_BxSxD: jax.Array, cfg: ModelConfig, coll: Collectives,
+                last: int | None = None) -> jax.Array:
+    """Final norm + vocab-parallel LM head: this rank's [B, S, V/tp] slice of fp32 logits.
+
+    `last`: only the last `last` positions of the (tp-gathered) sequence, where a loss reads no
+    other (a VLA's actions): the head's FLOPs and logits shrink by S / last. The slice comes before
+    the norm; with sequence parallelism each rank's shard is cut to its own last `last` positions,
+    gathered, and the last rank's kept (the caller guarantees they lie in its shard)."""
     # XLA:CPU, one order: the head's weight gradients (and their reductions) before the layers' backward
     x_BxSxD, head = coll.use_weights(x_BxSxD, {k: params[k] for k in HEAD_AXES}, HEAD_AXES)
+    x_BxSxD = x_BxSxD if last is None else x_BxSxD[:, -last:]
     x_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, head["final_norm"], cfg.norm_eps))
+    x_BxSxD = x_BxSxD if last is None else x_BxSxD[:, -last:]  # (sequence parallel: the last shard's)
     return jnp.einsum("bsd,dv->bsv", x_BxSxD, head["lm_head"], preferred_element_type=jnp.float32)
 
 
 def head_loss_sum(params: dict, x_BxSxD: jax.Array, targets_BxS: jax.Array, mask_BxS: jax.Array,
-                  cfg: ModelConfig, coll: Collectives) -> jax.Array:
-    """Final norm, LM head and the masked sum of token cross-entropies (the last pipeline stage's job)."""
-    logits_BxSxV = head_logits(params, x_BxSxD, cfg, coll)
+                  cfg: ModelConfig, coll: Collectives, last: int | None = None) -> jax.Array:
+    """Final norm, LM head and the masked sum of token cross-entropies (the last pipeline stage's job).
+    `last`: the head on the last `last` positions only (head_logits); the mask must be zero elsewhere."""
+    logits_BxSxV = head_logits(params, x_BxSxD, cfg, coll, last)
+    if last is not None:
+        targets_BxS, mask_BxS = targets_BxS[:, -last:], mask_BxS[:, -last:]
     token_loss_BxS = vocab_parallel.cross_entropy(logits_BxSxV, targets_BxS, coll)
     return jnp.sum(token_loss_BxS * mask_BxS.astype(jnp.float32))
 

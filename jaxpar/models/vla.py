@@ -153,12 +153,33 @@ def prefix_len(config: Config) -> int:
     return sequence_layout(config)[1] if config.model.prefix_lm else 0
 
 
+def loss_positions(config: Config) -> int | None:
+    """How many positions at the end of each rank's sequence the LM head runs on: the action targets
+    (the last `dims`: make_batch's mask), or None (every position) with the text loss. A static slice,
+    so the head's FLOPs and fp32 logits, and a pipeline's broadcast of the last stage's output to the
+    head and its cotangent, shrink by S / dims (vla70b: 296 / 7).
+
+    Every rank slices the same range: under cp (balanced_order) the actions end cp rank 0's late
+    chunk, and other ranks' last positions are masked ones (their head adds zero); under sequence
+    parallelism they end the last tp rank's shard (head_logits keeps that rank's). None, today's head
+    on every position, where a cp chunk or sp shard is shorter than the actions (they would straddle)."""
+    if config.model.text_loss:
+        return None
+    dims, seq, mesh = config.actions.dims, sequence_layout(config)[2], config.mesh
+    local = seq // (2 * mesh.cp) if mesh.cp > 1 else seq  # the chunk that holds the actions
+    if mesh.sequence_parallel and mesh.tp > 1:
+        local = min(local, seq // mesh.cp // mesh.tp)  # the sp shard of a cp rank's tokens that does
+    return dims if dims <= local else None
+
+
 def llm_loss_sum(params: dict, image_tokens_BxIxD: jax.Array, batch: dict, config: Config,
                  coll: Collectives = Collectives(), policy=None) -> jax.Array:
-    """The LLM part: masked sum of token losses given the projected image tokens."""
+    """The LLM part: masked sum of token losses given the projected image tokens (the head on the
+    positions the loss reads only: loss_positions)."""
     x = llm_inputs(params, image_tokens_BxIxD, batch["inputs"], coll)
     x = llama.run_layers(x, params["layers"], config.model, coll, policy, prefix_len(config))
-    return llama.head_loss_sum(params, x, batch["targets"], batch["mask"], config.model, coll)
+    return llama.head_loss_sum(params, x, batch["targets"], batch["mask"], config.model, coll,
+                               loss_positions(config))
 
 
 def loss_sum(params: dict, batch: dict, config: Config, llm_coll: Collectives = Collectives(),

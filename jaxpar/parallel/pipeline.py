@@ -4,10 +4,12 @@ Every device runs the same program inside the train step's shard_map; a device's
 `axis_index("pp")` and its slice of the stacked layer weights holds its chunks (with `virtual`
 chunks per device, chunk c of device s is virtual stage c*p + s, Megatron's interleaving). The
 table (jaxpar.parallel.schedule) is fed to `lax.scan` one phase at a time: each tick runs, in this
-order, the kinds of slot the phase has: F (forward of one chunk for one microbatch), L (the loss of
-the microbatch the last virtual stage just finished), B (backward of one chunk). Work a stage does
-not own in a tick is masked, never skipped: every device issues the same collectives in the same
-order every tick (a per-device `lax.cond` around a collective deadlocks, docs/design.md).
+order, the kinds of slot the phase has: G (a sum over pp of the first input's gradient,
+jaxpar.parallel.first_input), F (forward of one chunk for one microbatch), L (the loss of the
+microbatch the last virtual stage just finished), B (backward of one chunk), W (zb's weight
+gradients). Work a stage does not own in a tick is masked, never skipped: every device issues the
+same collectives in the same order every tick (a per-device `lax.cond` around a collective
+deadlocks, docs/design.md).
 
 What makes it cheap:
 - **Residuals kept, not recomputed.** A forward slot keeps its chunk's vjp residuals (under the
@@ -20,14 +22,13 @@ What makes it cheap:
   pp x tp (vocabulary-parallel), so each device computes its 1/(pp tp) of the embedding lookup and
   of the LM head + loss. The last stage's output is broadcast to all stages (one psum over pp) for
   the head; the head's input cotangent is summed back over pp (one psum). Nothing is replicated pp
-  times and no stage computes a whole head.
-- **The first input once per microbatch, not once per tick.** Only m of the v m + p - 1 forward
-  ticks run stage 0's chunk 0, so the first inputs of all m microbatches are computed (with their
-  pp x tp all-reduce) in one loop before the ticks, into an [m, ...] buffer the F slots read. Stage
-  0's B slot of chunk 0 writes its input gradient over that microbatch's spent entry (F(i, 0) comes
-  before B(i, 0)), and after the ticks one loop sums each over pp and runs the first input's
-  backward: m psums where a tick-by-tick backward ran v m + p - 1 (vla70b, v = 10: 8, not 87).
-  The buffer costs m activations; the ticks no longer hold the first input's work at all.
+  times and no stage computes a whole head. Where the head reads only part of the output
+  (`StagePieces.head_input`: a VLA's action positions) only that part is broadcast and summed.
+- **The first input once per microbatch, not once per tick** (jaxpar.parallel.first_input): m
+  first inputs computed before the ticks into an [m, ...] buffer, each one's gradient summed over
+  pp in the tick after stage 0's chunk-0 backward of it (so GPUs may overlap the sum with that
+  tick), its backward after the ticks: m all-reduces each way where a tick-by-tick call ran
+  v m + p - 1 (vla70b, v = 10: 8, not 87), at the price of two [m, ...] buffers.
 - **Each gradient reduced over dp once it is final.** The scans over ticks are cut after the tick
   that makes a part's gradient final (Schedule.gradients_final): the head after the last loss slot,
   chunk c of an interleaved pipeline after stage 0's last backward of it, chunk 0 after the
@@ -55,13 +56,16 @@ import numpy as np
 from jaxpar.layers.collectives import varying_of
 from jaxpar.layers.order import (after, after_on_every_backend, backward_ordered, chain, cotangent_summed,
                                  ordered_both_ways)
+from jaxpar.parallel.first_input import FirstInputs, varies_over
+from jaxpar.parallel.layer_order import layer_order, reorder_layers  # noqa: F401 (their home was here)
 from jaxpar.parallel.residuals import InputStash, ResidualStash, zeros_typed
 from jaxpar.parallel.split_backward import SplitBackward, SplitStash
 from jaxpar.parallel.schedule import IDLE, Schedule
 
 PP = "pp"
-# The named scopes of the chunk slots: the compiled program's FLOPs by slot kind (measured_slot_flops)
-SLOT_SCOPES = {"F": "pipeline_F", "B": "pipeline_B", "W": "pipeline_W"}
+# The named scopes of the slots: the compiled program's FLOPs by slot kind (measured_slot_flops reads the
+# chunk slots'; the dry run reports L's, the head and loss); tests find G's sums by it
+SLOT_SCOPES = {"F": "pipeline_F", "B": "pipeline_B", "W": "pipeline_W", "L": "pipeline_L", "G": "pipeline_G"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +78,15 @@ class StagePieces:
     body(chunk_params, x) -> y: one chunk of layers (params: the chunk's slice of the stacked layers).
     head_loss(head_params, y, data_mb) -> scalar: the microbatch's loss contribution (already
         normalised); called on every stage with the same y, so it may spread its work over pp.
+    head_input(y) -> y': a static slice of y, the only part head_loss reads (head_loss(head_input(y))
+        == head_loss(y)), e.g. a VLA's action positions; the last stage delivers only it to the head,
+        and its cotangent comes back as small. None: all of y.
     """
 
     first_input: Callable
     body: Callable
     head_loss: Callable
-
-
-def varies_over(x, axis: str) -> bool:
-    return axis in varying_of(jax.typeof(x))
+    head_input: Callable | None = None
 
 
 def _pcast(tree, axes):
@@ -94,7 +98,7 @@ def _to_pp_varying(tree):
     return jax.tree.map(lambda x: x if varies_over(x, PP) else jax.lax.pcast(x, (PP,), to="varying"), tree)
 
 
-class Pipeline:
+class Pipeline(FirstInputs):
     """Loss and gradients of one dp shard's microbatches, pipelined over pp (inside shard_map); with
     `reduce_dp`, each part's gradient is dp-reduced as soon as it is final."""
 
@@ -109,6 +113,7 @@ class Pipeline:
         self.reduce_dp = reduce_dp or (lambda part, grads: grads)
         self.early = reduce_dp is not None  # parts reduced over dp as they finish; else all after the last tick
         self.final_at = self._final_at()
+        self.sum_ticks = self._grad_sum_ticks()  # the first input's gradient sums, in the ticks (G slots)
         self.act_varying = varying_axes + activation_axes  # sequence parallelism: activations vary over tp
         self.p, self.m, self.v = schedule.stages, schedule.microbatches, schedule.virtual
         self.data_axes = tuple(a for a in varying_axes if a != PP)
@@ -167,7 +172,7 @@ class Pipeline:
         t, s = self.table, slice(first, first + count)
         return {"F": t.forward[s], "Fc": t.forward_chunk[s], "Fs": t.stash["F"][s], "L": t.loss[s],
                 "B": t.backward[s], "Bc": t.backward_chunk[s], "Bs": t.stash["B"][s],
-                "W": t.weight[s], "Wc": t.weight_chunk[s], "Ws": t.stash["W"][s]}
+                "W": t.weight[s], "Wc": t.weight_chunk[s], "Ws": t.stash["W"][s], "G": self.sum_ticks[s]}
 
     # --------------------------------------------------------------- slots of one tick
     def _stage_input(self, inputs, received, row):
@@ -176,31 +181,6 @@ class Pipeline:
         stage = jax.lax.axis_index(PP)
         x0 = inputs[jnp.maximum(row["F"][0], 0)]
         return jnp.where((stage == 0) & (row["Fc"][stage] == 0), x0, received)
-
-    def _first_inputs(self, ctx):
-        """Every microbatch's first input, [m, ...], typed like a received activation: one first_input
-        (and its collectives) per microbatch, where a tick-by-tick call would run one per tick."""
-        def one(i):
-            x0 = self.pieces.first_input(ctx["first"], ctx["extra_at"](i), ctx["data_at"](i))
-            missing = tuple(a for a in self.act_varying if not varies_over(x0, a))
-            return jax.lax.pcast(x0, missing, to="varying") if missing else x0
-        return jax.lax.map(one, jnp.arange(self.m))
-
-    def _first_input_backward(self, ctx, inputs, dependency):
-        """(gradient of the first input's weights, cotangent of `extra` or None): `inputs` holds, per
-        microbatch, stage 0's input gradient of chunk 0 (the B slots wrote it over the spent first
-        input); it is summed over pp (only stage 0's is real) and pulled back through first_input, one
-        microbatch at a time, after `dependency` (the ticks and their reductions: XLA:CPU order)."""
-        stage = jax.lax.axis_index(PP)
-        inputs = after(inputs, dependency)
-
-        def one(d_first, i):
-            dx0 = jax.lax.psum(jnp.where(stage == 0, inputs[i], jnp.zeros_like(inputs[i])), PP)
-            data_mb = jax.tree.map(lambda a: after(a, dx0), ctx["data_at"](i))
-            _, pullback = jax.vjp(lambda f, e: self.pieces.first_input(f, e, data_mb), ctx["first"], ctx["extra_at"](i))
-            grad, d_extra = pullback(dx0)
-            return self._add(d_first, grad), (None if d_extra is None else d_extra.astype(jnp.float32))
-        return jax.lax.scan(one, self._zeros_f32(ctx["first"]), jnp.arange(self.m))
 
     def _forward_slot(self, ctx, carry, row):
         """F: run this stage's chunk for its microbatch and stash what its backward needs."""
@@ -217,10 +197,11 @@ class Pipeline:
         mb = row["L"]
         weight = self._data_typed((mb >= 0).astype(jnp.float32))
         data_mb = ctx["data_at"](jnp.maximum(mb, 0))
+        y_head, unselect = self._head_input(y)
         loss, pullback = jax.vjp(lambda h, t: self.pieces.head_loss(h, t, data_mb), ctx["head"],
-                                 self._broadcast_last(y))
+                                 self._broadcast_last(y_head))
         d_head, dy_partial = pullback(after(weight, loss))  # after the loss's own collectives (XLA:CPU)
-        dy = jax.lax.psum(dy_partial, PP)  # the head's input cotangent, summed over its vocabulary shards
+        dy = unselect(jax.lax.psum(dy_partial, PP))  # the head's input cotangent, summed over its vocab shards
         grads = {**carry["grads"], "head": self._add(carry["grads"]["head"], d_head)}
         return dy, {**carry, "grads": grads, "loss": carry["loss"] + weight * loss}
 
@@ -244,6 +225,7 @@ class Pipeline:
             d_chunk, dx = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
             only = None
         grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk, only)}
+        dx = after(dx, d_chunk)  # the tick's sends after the chunk's weight-gradient sums (sp norms: XLA:CPU)
         first_mb = row["B"][0]
         index = jnp.maximum(first_mb, 0)
         starts = (first_mb >= 0) & (row["Bc"][0] == 0)  # the same on every stage; only stage 0's dx is used
@@ -269,12 +251,16 @@ class Pipeline:
 
         def tick(carry, row):
             y = dx = None
+            if "G" in kinds:  # first: its psum reads only the carry, so the tick's slots can overlap it
+                with jax.named_scope(SLOT_SCOPES["G"]):
+                    carry = self._sum_slot(carry, row)
             if "F" in kinds:
                 with jax.named_scope(SLOT_SCOPES["F"]):
                     y, carry = self._forward_slot(ctx, carry, row)
             dy = jnp.zeros(act_shape, act_dtype)
             if "L" in kinds:
-                dy, carry = self._loss_slot(ctx, carry, y, row)
+                with jax.named_scope(SLOT_SCOPES["L"]):
+                    dy, carry = self._loss_slot(ctx, carry, y, row)
             if "B" in kinds:
                 with jax.named_scope(SLOT_SCOPES["B"]):
                     dx, carry = self._backward_slot(ctx, carry, row, dy, y)
@@ -322,6 +308,8 @@ class Pipeline:
         carry = {"recv_fwd": zeros, "recv_bwd": zeros, "stash": stash_zeros, "inputs": self._first_inputs(ctx),
                  "grads": self._zeros_f32({"layers": ctx["layers"], "head": ctx["head"]}),
                  "loss": self._data_typed(jnp.zeros((), jnp.float32))}
+        if (self.sum_ticks != IDLE).any():
+            carry["summed"] = self._summed_zeros(ctx["x0"])
         if self.split_backward:  # every linear's output gradient, from its B to its W
             carry["dy_stash"] = [zeros_typed(a.update(shape=(slots,) + a.shape))
                                  for a in ctx["stash"].output_grad_avals()]
@@ -330,7 +318,8 @@ class Pipeline:
             rows = jax.tree.map(jnp.asarray, self._rows(first, count))
             carry, _ = jax.lax.scan(self._tick(ctx, kinds), carry, rows)
             carry = self._reduce_final(params, carry, reduced, self.final_at.get(first + count - 1, []))
-        d_first, d_extra = self._first_input_backward(ctx, carry.pop("inputs"), (carry, reduced[list(reduced)[-1]]))
+        d_first, d_extra = self._first_input_backward(ctx, carry.pop("inputs"), carry.pop("summed", None),
+                                                      (carry, reduced[list(reduced)[-1]]))
         carry = {**carry, "grads": {**carry["grads"], "first": d_first}}
         self._reduce_final(params, carry, reduced, [("first",)])
         if ("layers", None) in reduced:
@@ -361,11 +350,13 @@ class Pipeline:
     def _segments(self) -> list[tuple[str, int, int]]:
         """(kinds, first tick, count): the schedule's phases, cut after every tick that makes a gradient
         final, so its reduction is issued there and the ticks after it can overlap it."""
-        cuts, out = {t + 1 for t in self.final_at}, []
+        sums = self.sum_ticks != IDLE  # and where the G slots (the first input's gradient sums) start or stop
+        cuts = {t + 1 for t in self.final_at} | {t for t in range(1, len(sums)) if sums[t] != sums[t - 1]}
+        out = []
         for phase in self.table.phases:
             start, end = phase.first, phase.first + phase.count
             for cut in sorted(c for c in cuts if start < c < end) + [end]:
-                out.append((phase.kinds, start, cut - start))
+                out.append((phase.kinds + ("G" if sums[start] else ""), start, cut - start))
                 start = cut
         return out
 
@@ -413,9 +404,11 @@ class Pipeline:
                 runs.append((with_loss, tick, 1))
         return runs
 
-    def forward_sums(self, params, micro, extra, head_fn, zero_sums):
+    def forward_sums(self, params, micro, extra, head_fn, zero_sums, head_input=None):
         """Forward only: the sum over microbatches of `head_fn(head, y, data_mb)` (a tree), where y is
-        the last virtual stage's output; head_fn runs on every stage for the same y (spread over pp)."""
+        the last virtual stage's output (`head_input(y)` if given: what head_fn reads); head_fn runs on
+        every stage for the same y (spread over pp)."""
+        select = head_input or (lambda y: y)
         ctx = self._context(params, micro, extra)
         inputs = self._first_inputs(ctx)
 
@@ -428,7 +421,7 @@ class Pipeline:
                 if with_loss:
                     weight = (row["L"] >= 0).astype(jnp.float32)
                     data_mb = ctx["data_at"](jnp.maximum(row["L"], 0))
-                    out = head_fn(ctx["head"], self._broadcast_last(y), data_mb)
+                    out = head_fn(ctx["head"], self._broadcast_last(select(y)), data_mb)
                     sums = jax.tree.map(lambda s, o: s + weight * o, sums, out)
                     # the head's collectives before the send; in the backward, after the send's transpose
                     y = ordered_both_ways(y, sums)
@@ -445,6 +438,18 @@ class Pipeline:
             carry, _ = jax.lax.scan(tick_fn(with_loss), carry, rows)
         return carry["sums"]
 
+    def _head_input(self, y):
+        """(what the head reads of y: pieces.head_input, and the map of its cotangent back to y's shape,
+        zeros elsewhere): only that part is broadcast from the last stage and its cotangent summed."""
+        if self.pieces.head_input is None:
+            return y, lambda dy: dy
+        y_head, pullback = jax.vjp(self.pieces.head_input, y)
+
+        def unselect(dy_head):
+            missing = tuple(a for a in varying_of(jax.typeof(y_head)) if not varies_over(dy_head, a))
+            return pullback(jax.lax.pcast(dy_head, missing, to="varying") if missing else dy_head)[0]
+        return y_head, unselect
+
     def _broadcast_last(self, y):
         """The last stage's `y` on every stage (typed pp-varying, like the head weights it meets)."""
         last = jax.lax.axis_index(PP) == self.p - 1
@@ -454,7 +459,7 @@ class Pipeline:
         """All forwards in scans over ticks, then autodiff: every tick's residuals stay alive (O(m))."""
         def total_loss(p, e):
             zero = self._data_typed(jnp.zeros((), jnp.float32))
-            return self.forward_sums(p, micro, e, self.pieces.head_loss, zero)
+            return self.forward_sums(p, micro, e, self.pieces.head_loss, zero, self.pieces.head_input)
 
         loss, (grads, d_extra) = jax.value_and_grad(total_loss, argnums=(0, 1))(params, extra)
         reduced = {}
@@ -489,32 +494,3 @@ def measured_slot_flops(by_scope: dict[str, float], table: Schedule) -> dict[str
         ticks = sum(ph.count for ph in table.phases if kind in ph.kinds)
         out[kind] = by_scope.get(SLOT_SCOPES[kind], 0.0) / ticks
     return out if all(out.values()) else None
-
-
-# ------------------------------------------------------------------- layer order of interleaved stages
-def layer_order(n_layers: int, stages: int, virtual: int) -> np.ndarray | None:
-    """Which model layer each position of the stored stacked-layer arrays holds, or None for the model's
-    own order (virtual == 1). The layer dim is split over pp in contiguous blocks, so with interleaving
-    device s must find its chunks s, s+p, s+2p, ... next to each other: position (s, j, l) holds layer
-    (j p + s) c + l, c = n_layers / (p v). Checkpoints record the order and restore across it."""
-    if virtual == 1:
-        return None
-    chunk = n_layers // (stages * virtual)
-    s, j, l = np.meshgrid(np.arange(stages), np.arange(virtual), np.arange(chunk), indexing="ij")
-    return ((j * stages + s) * chunk + l).reshape(-1)
-
-
-def reorder_layers(tree, source: np.ndarray | None, target: np.ndarray | None):
-    """Move every stacked-layer leaf (under a top-level "layers" key of a parameter-shaped tree: params,
-    master weights, Adam moments, gradients) from order `source` to order `target` (None: model order)."""
-    if source is None and target is None:
-        return tree
-    n = len(source if source is not None else target)
-    source = np.arange(n) if source is None else source
-    target = np.arange(n) if target is None else target
-    take = np.argsort(source)[target]  # stored position, in the source order, of each target position
-
-    def move(path, leaf):
-        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        return leaf[take] if keys[:1] == ["layers"] and getattr(leaf, "ndim", 0) and leaf.shape[0] == n else leaf
-    return jax.tree_util.tree_map_with_path(move, tree)

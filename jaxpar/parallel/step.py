@@ -12,7 +12,8 @@ Design (docs/design.md has the longer story):
   remat none and full): XLA leaves every per-layer one a separate all-reduce, combines the head
   input's gradient with the target logit into one tuple all-reduce, and its partitioner adds one
   more after the shard_map (the gradient norm's partial sums over tp). Over dp, one gradient
-  reduction: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2); with sequence parallelism
+  reduction: all-reduce (ZeRO 0) or reduce-scatter into the optimizer's shard (ZeRO 1-2, Megatron's
+  distributed optimizer); with sequence parallelism
   the tp all-reduces become reduce-scatter / all-gather pairs; ZeRO-3 gathers each layer's weights
   just before use and its transpose reduce-scatters the gradients. In bf16 the gathers move bf16;
   gradient reductions over dp move fp32 (`grad_reduce=bf16` halves their bytes).
@@ -279,7 +280,8 @@ class StepBuilder:
                            context_axis=CP if self.context_ways > 1 else None,
                            context_strategy=self.config.mesh.cp_strategy,
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
-                           kv_heads_replicated=self.replicates_kv and tp is not None, zero_hooks=zero.LAYER_HOOKS)
+                           kv_heads_replicated=self.replicates_kv and tp is not None, zero_hooks=zero.LAYER_HOOKS,
+                           collective_matmul=self.config.mesh.collective_matmul)
 
     def remat_policy(self):
         """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""
@@ -291,7 +293,7 @@ class StepBuilder:
         layer by layer; a pipeline reduces each part itself, as soon as its gradient is final."""
         if not self.zero.reduces_after_backward:
             return grads
-        return reduce_gradients(grads, self.axes if axes is None else axes, self.dp_axis, self.stage >= 2,
+        return reduce_gradients(grads, self.axes if axes is None else axes, self.dp_axis, self.zero.scatters_grads,
                                 self.specs_rules, self.grad_reduce_dtype)
 
     def _local_loss_and_grads(self, params, batch):
@@ -333,11 +335,15 @@ class StepBuilder:
         if self.mesh.shape["pp"] > 1:
             return self._pipelined_loss_and_grads(params, batch, image_tokens, token_count, coll, policy)
 
-        if self.zero.taps_grads:  # the taps' values are never used, only their shape and type
-            frozen, dp = jax.lax.stop_gradient(params), self.data_ways
+        if self.zero.taps_grads:  # the taps' values are never used, only their shape and type: the optimizer
+            frozen, dp = jax.lax.stop_gradient(params), self.data_ways  # shard's, in the reduction's dtype
             params = jax.tree.map(lambda w, axes: jax.lax.slice_in_dim(w, 0, w.shape[zero_dim(axes)] // dp,
-                                                                       axis=zero_dim(axes)), frozen, self.axes)
+                                                                       axis=zero_dim(axes)).astype(self.grad_reduce_dtype),
+                                  frozen, self.axes)
             with_weights = lambda t: jax.tree.map(lambda full, tap: (full, tap), frozen, t)  # noqa: E731
+        elif self.zero.gathers_weights:  # ZeRO-3: the gradients go to sinks in the reduction's dtype (zero.with_sinks)
+            shards, params = params, zero.gradient_sinks(params, self.grad_reduce_dtype)
+            with_weights = lambda sinks: zero.with_sinks(shards, sinks)  # noqa: E731
         elif self.config.offload.params:  # host weights, copied in per use; their gradients go to device sinks
             host, params = params, zero.gradient_sinks(params)
             with_weights = lambda sinks: zero.with_host_weights(host, sinks)  # noqa: E731
@@ -383,10 +389,13 @@ class StepBuilder:
         def body(layers, x):
             return llama.run_layers(x, layers, cfg, coll, policy, prefix_len)
 
-        def head_loss(head, y, data):
-            return llama.head_loss_sum(head, y, data["targets"], data["mask"], cfg, head_coll) / token_count
+        last = vla.loss_positions(self.config) if self.vision is not None else None  # the VLA's actions
 
-        return StagePieces(first_input, body, head_loss)
+        def head_loss(head, y, data):
+            return llama.head_loss_sum(head, y, data["targets"], data["mask"], cfg, head_coll, last) / token_count
+
+        # the head reads only the last `last` positions of each rank's y: the pipeline delivers only those
+        return StagePieces(first_input, body, head_loss, None if last is None else (lambda y: y[:, -last:]))
 
     def pipeline(self, coll: Collectives, policy, token_count=1.0, schedule: str | None = None) -> Pipeline:
         pipe = self.config.pipeline
@@ -458,16 +467,13 @@ class StepBuilder:
         """The L2 norm of the whole gradient, in fp32, in one all-reduce over the mesh: each device's sum
         of squares of the shards it holds, each divided by the number of devices holding the same shard
         (a power of two, so exact). Computed here rather than by the partitioner after the shard_map,
-        which issues one unordered all-reduce per group of mesh axes (jaxpar.layers.order). Each device
-        reads only its shard in the optimizer's layout (ZeRO-1: 1/dp of the all-reduced gradient, the
-        part it updates): summing the whole gradient on every device kept a second fp32 copy of it alive
-        on XLA:CPU (+10.3 GB per device for llama7b dp=8 ZeRO-1) and read dp times the bytes."""
+        which issues one unordered all-reduce per group of mesh axes (jaxpar.layers.order). The gradients
+        arrive in the optimizer's layout (ZeRO 1-3 reduce-scatter them into its shard), so each device
+        reads only the part it updates."""
         axes = tuple(name for name, size in self.mesh.shape.items() if size > 1)
         total = None
-        for g, spec, opt_spec in zip(jax.tree.leaves(grads), jax.tree.leaves(self.specs.grads, is_leaf=_is_spec),
-                                     jax.tree.leaves(self.specs.opt, is_leaf=_is_spec)):
-            g = self._optimizer_shard(g, _gather_axes(opt_spec, spec))
-            split = {a for entry in opt_spec for a in _axes_of(entry)}
+        for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(self.specs.grads, is_leaf=_is_spec)):
+            split = {a for entry in spec for a in _axes_of(entry)}
             copies = self.mesh.size // max(1, int(np.prod([self.mesh.shape[a] for a in split])))
             part = jnp.sum(jnp.square(g.astype(jnp.float32))) / copies
             total = part if total is None else total + part
@@ -476,18 +482,6 @@ class StepBuilder:
             total = jax.lax.psum(jax.lax.pcast(total, tuple(a for a in axes if a not in varying_of(jax.typeof(total))),
                                                to="varying"), axes)
         return jnp.sqrt(total)
-
-    def _optimizer_shard(self, g, how):
-        """This device's part of a local gradient in the optimizer's layout (ZeRO-1: its dp slice of the
-        all-reduced gradient); `how` = (dim, mesh axes) from _gather_axes, None when laid out alike."""
-        if how is None:
-            return g
-        dim, split_axes = how
-        index, count = jnp.int32(0), 1
-        for axis in split_axes:
-            index, count = index * self.mesh.shape[axis] + jax.lax.axis_index(axis), count * self.mesh.shape[axis]
-        size = g.shape[dim] // count
-        return jax.lax.dynamic_slice_in_dim(g, index * size, size, axis=dim)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, state: TrainState, batch: dict, with_grads: bool = False):
@@ -500,8 +494,8 @@ class StepBuilder:
             state = state.replace(params={k: jax.device_put(v, jax.memory.Space.Host) if k in host else v
                                           for k, v in state.params.items()})
         loss, grads, grad_norm = self.loss_and_grads(state.params, batch)
-        # Each dp rank updates only its optimizer shard: slice (ZeRO-1) before widening to fp32.
-        grads = jax.lax.with_sharding_constraint(grads, self._named(self.specs.opt))
+        # Each dp rank's gradient shard is the part it updates (the optimizer's layout); fp32 already unless
+        # grad_reduce=bf16 or ZeRO-3 (its gather's transpose gives the weight's dtype) or ZeRO-0 taps.
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         if self.config.debug.nan_at_step:  # test hook for the NaN guard
             poison = jnp.where(state.step + 1 == self.config.debug.nan_at_step, jnp.nan, 0.0)

@@ -6,10 +6,10 @@ Strategy (the seed's table 6.2 idea: a small encoder wants data parallelism, not
 - Its batch is split over every mesh axis its tp does not use: each dp shard's examples are divided
   further over pp (and the rest of tp), so every vision tp group encodes a distinct slice.
 - The projected image tokens are then assembled back into the LLM's layout (dp-sharded, the same on
-  every pp / tp rank) with one sum over the split axes, and enter the first pipeline stage.
+  every pp / tp rank) with one all-gather over the split axes, and enter the first pipeline stage.
 - Backward: the first stage's input cotangent for the image positions comes back the same on every
-  split rank; each device takes its slice and runs the encoder's vjp. Gradients are summed (ZeRO 0/1)
-  or reduce-scattered (ZeRO 2) over all the encoder's data-parallel axes.
+  split rank; each device takes its slice and runs the encoder's vjp. Gradients are summed (ZeRO 0)
+  or reduce-scattered (ZeRO 1-2) over all the encoder's data-parallel axes.
 """
 
 from __future__ import annotations
@@ -68,13 +68,16 @@ class VisionComponent:
             tokens = vit.encode(p, mine, self.cfg, self.coll, self.policy, my_instruction)
             if not self.split_axes:
                 return tokens
-            full = jnp.zeros((images.shape[0],) + tokens.shape[1:], tokens.dtype)
-            return jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(full, tokens, start, axis=0), self.split_axes)
+            # every split rank's slice, in _split_index's order, typed the same on each rank ("invarying"):
+            # an all-gather, half the bytes of summing zero-padded copies, and its transpose is the slice
+            # each rank's encoder backward needs, with no collective
+            return jax.lax.all_gather(tokens, self.split_axes, axis=0, tiled=True, to="invarying")
 
         return jax.vjp(encode, params)
 
     def reduce_grads(self, grads, dtype):
-        """Sum (ZeRO 0/1) or reduce-scatter (ZeRO 2) the encoder's gradients over its data axes."""
+        """Sum (ZeRO 0) or reduce-scatter into the optimizer's shard (ZeRO 1-2) the encoder's gradients
+        over its data axes."""
         if not self.data_axes:
             return grads
-        return reduce_gradients(grads, self.axes, self.data_axes, self.cfg.zero.stage >= 2, self.rules, dtype)
+        return reduce_gradients(grads, self.axes, self.data_axes, self.cfg.zero.stage >= 1, self.rules, dtype)

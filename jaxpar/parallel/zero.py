@@ -8,21 +8,34 @@ table in jaxpar.sharding says which mesh axes). Per stage (DeepSpeed's semantics
 | 0     | nothing                             | all-reduce per layer inside the backward        | -                     |
 |       |                                     | (reduce taps); with a pipeline or accumulation  |                       |
 |       |                                     | one after the backward                          |                       |
-| 1     | optimizer state, fp32 master        | as stage 0; each rank updates its shard         | -                     |
+| 1     | optimizer state, fp32 master        | reduce-scatter into the optimizer's shard (the  | -                     |
+|       |                                     | distributed optimizer): per layer inside the    |                       |
+|       |                                     | backward (grad taps); with accumulation once    |                       |
+|       |                                     | after it; with a pipeline per part once final   |                       |
 | 2     | + gradients                         | reduce-scatter per layer inside the backward    | -                     |
-|       |                                     | (grad taps); with a pipeline, per part once its |                       |
-|       |                                     | gradient is final (jaxpar.parallel.pipeline)    |                       |
+|       |                                     | (grad taps), every microbatch; with a pipeline, |                       |
+|       |                                     | per part once its gradient is final             |                       |
 | 3     | + compute-dtype weights             | reduce-scatter per layer (the gather's          | each layer's weights, |
 |       |                                     | transpose)                                      | prefetched one ahead  |
 
-Every reduction moves gradients in `grad_reduce`'s dtype (fp32 unless the user picks bf16).
+ZeRO-1 is Megatron's distributed optimizer: each dp rank updates 1/dp of the weights, so it needs only
+its 1/dp of the summed gradient, a reduce-scatter (half an all-reduce's bytes); the updated weights are
+then all-gathered. All-reducing the whole gradient and keeping 1/dp of it moved (2g + c) / (g + c) the
+bytes (g, c: bytes per element of the sums and the weights; 1.67x for fp32 sums of bf16 weights), plus
+a copy of the whole fp32 sum. Stages 1 and 2 differ only with accumulation: ZeRO-1 sums
+the microbatches' whole gradients (one fp32 buffer, DDP's no_sync) and reduce-scatters once; ZeRO-2 keeps
+only the shard and reduce-scatters every microbatch (DeepSpeed's trade: less memory, more traffic).
+
+Every reduction moves gradients in `grad_reduce`'s dtype (fp32 unless the user picks bf16). A
+reduce-scatter into the optimizer's shard (taps, after the backward) leaves its sum in that dtype: the
+fp32 update reads it as it came, with no bf16 rounding between the sum and the update.
 
 - `StateSpecs`: the PartitionSpecs of params / grads / optimizer state / master per stage.
 - `ZeroPlan`: which of the mechanisms below one run uses (dp size, pipeline and remat decide).
 - `reduce_gradients`: the stage 0-2 reduction after the backward (a pipeline, accumulation).
-- `reduce_tap` (stages 0-1): the per-layer all-reduce inside the backward; an all-reduce moves twice
-  a reduce-scatter's bytes, so ZeRO-2 (`grad_tap`) halves the gradient traffic for the same overlap.
-- `grad_tap` (stage 2) and `gather_weight` (stage 3): the per-layer reduce-scatter inside the backward.
+- `reduce_tap` (stage 0): the per-layer all-reduce inside the backward; an all-reduce moves twice
+  a reduce-scatter's bytes, so ZeRO 1-2 (`grad_tap`) halve the gradient traffic for the same overlap.
+- `grad_tap` (stages 1-2) and `gather_weight` (stage 3): the per-layer reduce-scatter inside the backward.
 - `prefetching_layer_scan` (stage 3 with full remat): the layer scan with layer i+1's all-gather
   issued before layer i computes, in the forward and in the backward, and each layer's
   reduce-scatter deferred to overlap the next layer's backward.
@@ -53,7 +66,8 @@ class StateSpecs:
         self.axes = axes_tree
         self.stage = stage
         self.params = tree_specs(axes_tree, stage >= 3, unused, rules)
-        self.grads = tree_specs(axes_tree, stage >= 2, unused, rules)
+        # the reduced gradients: ZeRO 1-2 reduce-scatter them into the optimizer's shard
+        self.grads = tree_specs(axes_tree, stage >= 1, unused, rules)
         self.opt = tree_specs(axes_tree, stage >= 1, unused, rules)  # also the fp32 master weights
 
     def merged(self, other: "StateSpecs") -> "StateSpecs":
@@ -88,18 +102,24 @@ class ZeroPlan:
         return self.gathers_weights and self.prefetch and self.remat == "full"
 
     @property
+    def scatters_grads(self) -> bool:
+        """ZeRO 1-2: gradients are reduce-scattered into the optimizer's shard, never all-reduced."""
+        return self.stage >= 1
+
+    @property
     def taps_grads(self) -> bool:
-        """ZeRO-2 without a pipeline reduce-scatters per layer inside the backward; with a pipeline,
-        gradients accumulate over microbatches and each part (head, layer chunk, embedding) is
-        reduce-scattered once it is final."""
-        return self.stage == 2 and self.dp > 1 and not self.pipelined
+        """ZeRO-2 without a pipeline reduce-scatters per layer inside the backward, every microbatch;
+        ZeRO-1 too when there is one microbatch (with accumulation it sums whole gradients and
+        reduce-scatters once after). With a pipeline, gradients accumulate over microbatches and each
+        part (head, layer chunk, embedding) is reduce-scattered once it is final."""
+        return (self.stage == 2 or (self.stage == 1 and self.grad_accum == 1)) and self.dp > 1 and not self.pipelined
 
     @property
     def reduces_in_backward(self) -> bool:
-        """ZeRO 0-1 without a pipeline or accumulation all-reduce each weight's gradient where the
+        """ZeRO-0 without a pipeline or accumulation all-reduces each weight's gradient where the
         backward leaves it (reduce_tap): per layer inside the layer scan. With accumulation that
         would reduce every microbatch (DDP's no_sync case), so those reduce once after."""
-        return self.stage <= 1 and self.dp > 1 and not self.pipelined and self.grad_accum == 1
+        return self.stage == 0 and self.dp > 1 and not self.pipelined and self.grad_accum == 1
 
     @property
     def reduces_after_backward(self) -> bool:
@@ -109,8 +129,9 @@ class ZeroPlan:
 
 
 def reduce_gradients(grads, logical_axes, mesh_axes, scatter: bool, rules: Rules, dtype):
-    """Sum gradients over `mesh_axes` (ZeRO 0/1: all-reduce) or reduce-scatter each one on its ZeRO
-    dim (ZeRO 2), moving them in `dtype` (fp32 by default; bf16 with grad_reduce=bf16)."""
+    """Sum gradients over `mesh_axes` (ZeRO 0: all-reduce) or reduce-scatter each one on its ZeRO
+    dim (ZeRO 1-2), moving them in `dtype` (fp32 by default; bf16 with grad_reduce=bf16), in which
+    the sums stay."""
     if scatter:
         def scatter_one(g, axes):
             dim = zero_dim(axes, rules)
@@ -130,13 +151,16 @@ def _scatter(cotangent: jax.Array, axis, dim: int, reduce_dtype) -> jax.Array:
 
 def grad_tap(axis, dim: int, reduce_dtype):
     """identity(full, shard) -> full, whose gradient w.r.t. `shard` is the gradient of `full`
-    reduce-scattered over `axis`: ZeRO-2's reduce-scatter, issued per layer inside the backward."""
+    reduce-scattered over `axis`: ZeRO 1-2's reduce-scatter, issued per layer inside the backward.
+    The sum stays in `reduce_dtype` (None: the cotangent's), which `shard` must have: the fp32
+    optimizer shard receives it with no round trip through the compute dtype."""
     @jax.custom_vjp
     def tap(full, shard):
         return full
 
     def backward(_, cotangent):
-        return None, _scatter(cotangent, axis, dim, reduce_dtype)
+        wide = cotangent.astype(reduce_dtype or cotangent.dtype)
+        return None, jax.lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True)
 
     tap.defvjp(lambda full, shard: (full, None), backward)
     return tap
@@ -179,16 +203,26 @@ fetch.defvjp(lambda host, sink: (fetch(host, sink), None), lambda _, cotangent: 
 
 def with_host_weights(host: Any, sinks: Any) -> Any:
     """(host weight, gradient sink) pairs where the weight lives in host memory (the sinks elsewhere):
-    the form `gather_weight` and `prefetching_layer_scan` take under offload.params."""
+    the form `fetched` takes under offload.params without ZeRO-3 (dp = 1)."""
     return jax.tree.map(lambda h, s: (h, s) if on_host(h) else s, host, sinks)
 
 
-def gradient_sinks(host: Any) -> Any:
-    """Device stand-ins for host weights, typed alike (shape, dtype, varying axes); see `fetch`."""
+def with_sinks(shards: Any, sinks: Any) -> Any:
+    """(ZeRO-3 shard, gradient sink) pairs for every weight: the form `gather_weight` and
+    `prefetching_layer_scan` take when a gradient is taken. The gradient goes to the sink, typed in the
+    reduction's dtype (fp32 by default), so the reduce-scatter's sum reaches the fp32 update as it came;
+    differentiating the bf16 shard itself would round the sum to bf16 on the way (and, for a shard in
+    host memory, send its gradient there)."""
+    return jax.tree.map(lambda w, s: (w, s), shards, sinks)
+
+
+def gradient_sinks(weights: Any, dtype=None) -> Any:
+    """Device stand-ins for weights, typed alike (shape, varying axes) in `dtype` (None: the weight's);
+    see `fetch` and `with_sinks`. Their values are never read."""
     def sink(w):
-        zeros, axes = jnp.zeros(w.shape, w.dtype), tuple(sorted(varying_of(jax.typeof(w))))
+        zeros, axes = jnp.zeros(w.shape, dtype or w.dtype), tuple(sorted(varying_of(jax.typeof(w))))
         return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
-    return jax.tree.map(sink, host)
+    return jax.tree.map(sink, weights)
 
 
 def fetched(w: Any) -> jax.Array:
@@ -199,14 +233,32 @@ def fetched(w: Any) -> jax.Array:
     return jax.device_put(w, jax.memory.Space.Device) if on_host(w) else w
 
 
+def copied_in(w: Any) -> Any:
+    """A ZeRO-3 shard for `gather_weight`: copied in from host memory (offload.params), a (shard, sink)
+    pair kept a pair with its shard on the device. The shard itself is never differentiated (the sink
+    is), so the copy needs no transpose."""
+    if isinstance(w, tuple):
+        return copied_in(w[0]), w[1]
+    return jax.device_put(w, jax.memory.Space.Device) if on_host(w) else w
+
+
 def gather_weight(axis, dim: int, reduce_dtype):
-    """ZeRO-3's all-gather of a dp-sharded weight; its transpose reduce-scatters the gradient, in
-    `reduce_dtype` when one is given (fp32 sums of bf16 weights' gradients), else the weight's dtype."""
+    """ZeRO-3's all-gather of a dp-sharded device weight (or of a (shard, sink) pair, `with_sinks`); its
+    transpose reduce-scatters the gradient, in `reduce_dtype` when one is given (fp32 sums of bf16
+    weights' gradients), else the weight's dtype. A pair's gradient goes to its sink in the sink's
+    dtype; a plain weight's (no gradient is taken in this repo's uses) comes back in its own."""
     def gather(w):
         return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
 
-    if reduce_dtype is None:
-        return gather
+    @jax.custom_vjp
+    def gather_to_sink(shard, sink):  # the sink is typed in the reduction's dtype (StepBuilder's sinks)
+        return gather(shard)
+
+    def to_sink(_, cotangent):
+        wide = cotangent.astype(reduce_dtype or cotangent.dtype)
+        return None, jax.lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True)
+
+    gather_to_sink.defvjp(lambda shard, sink: (gather(shard), None), to_sink)
 
     @jax.custom_vjp
     def gather_reducing_wide(w):
@@ -214,7 +266,13 @@ def gather_weight(axis, dim: int, reduce_dtype):
 
     gather_reducing_wide.defvjp(lambda w: (gather(w), None),
                                 lambda _, cotangent: (_scatter(cotangent, axis, dim, reduce_dtype),))
-    return gather_reducing_wide
+
+    def gather_any(w):  # w: a device shard, or a (shard, sink) pair (`copied_in` from the host first)
+        if isinstance(w, tuple):
+            return gather_to_sink(*w)
+        return gather(w) if reduce_dtype is None else gather_reducing_wide(w)
+
+    return gather_any
 
 
 def never_keep_gathered(base: Callable | None) -> Callable:
@@ -250,27 +308,32 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
     each layer's input is kept for the backward (full remat), never a gathered weight.
     """
     dims = jax.tree.map(lambda axes: axes.index(zero_logical), layer_axes, is_leaf=is_axes_leaf)
-    # offload.params: (host shards, gradient sinks) pairs (host shards alone where no gradient is taken:
-    # evaluation); each layer's shard is copied in by its gather,
-    # so the copy runs one layer ahead like the gather, and the gradients go to the sinks (`fetch`)
+    # When a gradient is taken the weights come as (shard, gradient sink) pairs (`with_sinks`): the values
+    # are read from the shards (offload.params: in host memory, each layer's copied in by its gather, one
+    # layer ahead like the gather) and the reduce-scattered gradients go to the sinks, in their dtype
     structure = jax.tree.structure(layer_axes, is_leaf=is_axes_leaf)
     leaves = structure.flatten_up_to(stacked_shards)
-    host_leaves = [leaf[0] if isinstance(leaf, tuple) else leaf if on_host(leaf) else None for leaf in leaves]
+    sources = [leaf[0] if isinstance(leaf, tuple) else None for leaf in leaves]  # None: the shard itself
     stacked_shards = structure.unflatten([leaf[1] if isinstance(leaf, tuple) else leaf for leaf in leaves])
+    grad_dtypes = structure.unflatten([w.dtype for w in structure.flatten_up_to(stacked_shards)])
     n_layers = jax.tree.leaves(stacked_shards)[0].shape[0]
 
     # On XLA:CPU every collective below runs in one order (jaxpar.layers.order): each group of gathers
     # or scatters is chained after what came before it, and each layer's compute after both.
     def gather(shards, i, start):
-        def one(shard, host):  # offloaded: the slice itself meets the device copy (one async copy on XLA:GPU)
-            if host is None:
-                return jax.lax.dynamic_index_in_dim(shard, i, keepdims=False)
-            return jax.device_put(jax.lax.dynamic_slice_in_dim(host, i, 1), jax.memory.Space.Device)[0]
-        layer = structure.unflatten([one(s, h) for s, h in zip(structure.flatten_up_to(shards), host_leaves)])
+        def one(shard, source):  # offloaded: the slice itself meets the device copy (one async copy on XLA:GPU)
+            source = shard if source is None else source
+            if not on_host(source):
+                return jax.lax.dynamic_index_in_dim(source, i, keepdims=False)
+            return jax.device_put(jax.lax.dynamic_slice_in_dim(source, i, 1), jax.memory.Space.Device)[0]
+        layer = structure.unflatten([one(s, source) for s, source in zip(structure.flatten_up_to(shards), sources)])
         return chain(lambda w, d: jax.lax.all_gather(w, axis, axis=d, tiled=True), layer, dims, start=start)
 
     def scatter(full_grads, start):
-        return chain(lambda g, d: _scatter(g, axis, d, reduce_dtype), full_grads, dims, start=start)
+        def one(g, d, dtype):
+            summed = jax.lax.psum_scatter(g.astype(reduce_dtype or g.dtype), axis, scatter_dimension=d, tiled=True)
+            return summed.astype(dtype)
+        return chain(one, full_grads, dims, grad_dtypes, start=start)
 
     @jax.custom_vjp
     def scan(x, shards):
@@ -283,14 +346,16 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
             return (layer_fn(after(x, upcoming), weights), upcoming), x
 
         (x_last, weights), inputs = jax.lax.scan(body, (x, gather(shards, 0, start=x)), jnp.arange(n_layers - 1))
-        return layer_fn(x_last, weights), (_stack_last(inputs, x_last), shards)
+        # the last layer's input is kept apart: stacking it onto the scan's outputs would copy them all
+        return layer_fn(x_last, weights), (inputs, x_last, shards)
 
     def backward(residuals, g):
-        inputs, shards = residuals
+        inputs, x_last, shards = residuals
 
         def differentiate(i, weights, g):
-            x_i = after(jax.lax.dynamic_index_in_dim(inputs, i, keepdims=False), g)  # recompute after g's deps
-            _, pullback = jax.vjp(layer_fn, x_i, weights)
+            last = isinstance(i, int) and i == n_layers - 1  # (the loop's traced i never is)
+            x_i = x_last if last else jax.lax.dynamic_index_in_dim(inputs, i, keepdims=False)
+            _, pullback = jax.vjp(layer_fn, after(x_i, g), weights)  # recompute after g's deps
             return pullback(g)
 
         weights = gather(shards, n_layers - 1, start=g)
@@ -319,10 +384,6 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
     return scan(x, stacked_shards)
 
 
-def _stack_last(inputs: jax.Array, last: jax.Array) -> jax.Array:
-    return jnp.concatenate([inputs, last[None]])
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerHooks:
     """What jaxpar.layers.collectives calls where a weight is used under ZeRO 2-3; the runtime
@@ -332,8 +393,10 @@ class LayerHooks:
     reduce_tap: Callable
     gather_weight: Callable
     fetch: Callable
+    copy_in: Callable
     prefetching_layer_scan: Callable
     gathered_name: str
 
 
-LAYER_HOOKS = LayerHooks(grad_tap, reduce_tap, gather_weight, fetched, prefetching_layer_scan, ZERO3_GATHERED)
+LAYER_HOOKS = LayerHooks(grad_tap, reduce_tap, gather_weight, fetched, copied_in, prefetching_layer_scan,
+                         ZERO3_GATHERED)

@@ -36,7 +36,7 @@ from jaxpar.planner.traffic import slot_counts
 from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.parallel.pipeline import activation_collectives
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
-from jaxpar.planner.memory import (Block, llm_block, local_params, local_seq, microbatch,
+from jaxpar.planner.memory import (Block, head_positions, llm_block, local_params, local_seq, microbatch,
                                   seq_len, vision_data_ways, vit_block)
 
 # The parts of one layer's forward each remat policy computes again in the backward (layer_forward keys).
@@ -94,7 +94,7 @@ def llm_flops(config: Config) -> dict[str, float]:
             "W": layers * weights if zb else 0.0}
     slots = slot_counts(config)
     executed = sum(slots[k] * cost[k] for k in "FBW") / v * (1 if pipelined else passes)
-    head = passes * 3 * 2.0 * b * s * m.d_model * m.vocab_size / (mesh.tp * mesh.pp)  # s: this rank's tokens
+    head = passes * 3 * 2.0 * b * head_positions(config) * m.d_model * m.vocab_size / (mesh.tp * mesh.pp)
     return {"layers": executed, "layers_busy": passes * sum(cost.values()), "head": head, "slot_costs": cost}
 
 
@@ -168,8 +168,10 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     table = pipeline_table(config)
     pp_ops = activation_collectives(table) if table is not None else {}
     sends_s = pp_ops.get("sends", 0) * activation / pp_bw
-    all_reduces = sum(n for kind, n in pp_ops.items() if kind != "sends")
-    pp_s = sends_s + all_reduces * ring_allreduce_s(activation, p, pp_bw)
+    all_reduces = sum(n for kind, n in pp_ops.items() if kind not in ("sends", "head"))
+    head_input = activation * head_positions(config) / local_seq(config)  # the VLA's head: its action positions
+    pp_s = (sends_s + all_reduces * ring_allreduce_s(activation, p, pp_bw)
+            + pp_ops.get("head", 0) * ring_allreduce_s(head_input, p, pp_bw))
     # what a GPU's schedule hides (XLA's latency-hiding scheduler, jaxpar.compiler.gpu_program): the backward's
     # tp all-reduces run beside its weight-gradient matmuls; the pipeline's sends beside the ticks' compute
     tp_exposed = tp_s * 2 * forwards / (2 * forwards + 2)
@@ -216,8 +218,9 @@ def dp_bytes(config: Config) -> dict[str, float]:
     checks the two agree). Psi is this device's parameters (after tp and pp), g grad_reduce's bytes
     per element (fp32 by default), c the compute dtype's.
 
-    - ZeRO 0-1: one all-reduce of the gradients (g Psi; after the accumulation with train.grad_accum > 1);
-      ZeRO 1-2 then all-gather the updated weights (c Psi).
+    - ZeRO-0: one all-reduce of the gradients (g Psi; after the accumulation with train.grad_accum > 1).
+    - ZeRO-1 (the distributed optimizer) reduce-scatters them into the optimizer's shard once (g Psi,
+      after the accumulation); ZeRO 1-2 then all-gather the updated weights (c Psi).
     - ZeRO-2 reduce-scatters the gradients (g Psi) without accumulating them whole, so without a
       pipeline once per microbatch (train.grad_accum times); a pipeline accumulates its chunks' and
       reduces once.
@@ -232,10 +235,10 @@ def dp_bytes(config: Config) -> dict[str, float]:
     g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
     c = 2 if config.precision == "bf16" else 4
     microbatches = config.train.grad_accum if mesh.pp == 1 else 1
-    if stage < 2:
-        return {"all-reduce": g * psi, **({"all-gather": c * psi} if stage == 1 else {})}
-    if stage == 2:
-        return {"reduce-scatter": g * psi * microbatches, "all-gather": c * psi}
+    if stage == 0:
+        return {"all-reduce": g * psi}
+    if stage <= 2:
+        return {"reduce-scatter": g * psi * (microbatches if stage == 2 else 1), "all-gather": c * psi}
     return {"reduce-scatter": g * psi * microbatches, "all-gather": c * (psi + layers) * microbatches}
 
 
@@ -244,7 +247,7 @@ def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     its buffer, a reduce-scatter or all-gather (n - 1) / n), the part issued per layer inside the layer
     scans, and the gradients' reduction alone (what a pipeline can start before its schedule ends).
     ZeRO-3's gathers and reduce-scatters, and without a pipeline ZeRO-2's reduce-scatters and (with
-    train.grad_accum = 1) ZeRO 0-1's all-reduces, run per layer inside the scans (jaxpar.parallel.zero's
+    train.grad_accum = 1) ZeRO-0's all-reduces and ZeRO-1's reduce-scatters, run per layer inside the scans (jaxpar.parallel.zero's
     taps), where GPUs overlap them with the other layers' compute: inside a node. Across nodes XLA's
     GPU schedule leaves most of them exposed: its latency-hiding scheduler prices a collective
     without timing it on a device and gives each about the same short window of compute whatever

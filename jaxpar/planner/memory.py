@@ -41,6 +41,14 @@ def local_seq(config: Config) -> int:
     return seq_len(config) // config.mesh.cp
 
 
+def head_positions(config: Config) -> int:
+    """Positions of a sequence on one device the LM head runs on: the VLA's action positions when its
+    loss reads only those (jaxpar.models.vla.loss_positions: a static slice before the head), else
+    every local position."""
+    last = vla.loss_positions(config) if config.model.kind == "vla" else None
+    return last or local_seq(config)
+
+
 def data_ways(config: Config) -> int:
     """Devices holding the same LLM weights with other data, over which gradients are summed and ZeRO
     shards: dp, times cp (context parallelism: other tokens of the same sequences)."""
@@ -278,7 +286,7 @@ def _activations(config: Config, c: int, target: str) -> dict:
     live_mb, ring = _pipeline_live(config, c * b * s * m.d_model / blk.seq_split, target)
     saved = live_mb * layers * dev
     host_saved = live_mb * layers * host
-    work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, blk, b * s, c))
+    work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, blk, b * head_positions(config), c))
     out = {"saved": saved, "saved_host": host_saved, "pipeline_buffers": ring, "working_set": work,
            "cpu_f32_twins": 0.0}
     if target == "cpu":  # the host bytes count, and bf16 residual stacks get an f32 twin
@@ -351,8 +359,10 @@ def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dic
     mesh, z = config.mesh, config.zero.stage
     dp, pp = data_ways(config), mesh.pp
     llm = counts["llm_layers"] + counts["llm_rest"]
-    scatter = dp if z >= 2 and dp > 1 and pp == 1 else 1  # reduce-scattered layer by layer in the backward
     plan = ZeroPlan(z, dp, pp > 1, config.remat.policy, config.zero.prefetch, config.train.grad_accum)
+    # reduce-scattered layer by layer in the backward (ZeRO 1-2's taps: grad_reduce's dtype; ZeRO-3's gathers)
+    scatter = dp if (plan.taps_grads or (z >= 3 and dp > 1)) and pp == 1 else 1
+    tapped = grad_bytes(config) if plan.taps_grads else c
     if pp > 1:  # fp32 accumulators over microbatches + the gradients of the chunk one tick runs (the
         # whole stage with v = 1; with interleaving a tick differentiates 1/v of the stage's layers)
         backward = 4 * llm + c * counts["llm_layers"] / config.pipeline.virtual_stages
@@ -362,14 +372,16 @@ def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dic
         if target == "gpu" and (config.pipeline.virtual_stages == 1 or plan.reduces_after_backward):
             backward += 4 * counts["llm_layers"]
     elif config.train.grad_accum > 1:
-        backward = (4 + c) * llm / scatter
+        backward = (4 + tapped) * llm / scatter
     else:
-        backward = c * llm / scatter
+        backward = tapped * llm / scatter
     dv = vision_data_ways(config) if config.model.kind == "vla" else 1
     backward += c * counts["vision"] / (dv if config.vision.zero.stage >= 2 else 1)
     if plan.prefetches:  # one more layer's gathered weights and one more full layer gradient in flight
         backward += 2 * c * counts["llm_layers"] / (config.model.n_layers // pp)
-    return {"backward": backward, "reduced": c * llm / (dp if z >= 2 else 1)}
+    # the reduced gradients: ZeRO 1-2 leave their sums in grad_reduce's dtype, in the optimizer's shard
+    reduced = c * llm if z == 0 or dp == 1 else (grad_bytes(config) if z <= 2 else c) * llm / dp
+    return {"backward": backward, "reduced": reduced}
 
 
 def _largest_offloaded_leaf(config: Config, counts: dict, st: dict) -> float:
@@ -394,10 +406,10 @@ def _largest_leaf(config: Config) -> float:
 
 
 def _dp_reduction(config: Config, gradients: float) -> float:
-    """GPU bytes while ZeRO 0-1 all-reduce the whole gradient over dp after the backward (with a
-    pipeline or accumulation; otherwise each layer's is reduced inside the backward, reduce_tap): the
-    compute-dtype gradients, and grad_reduce's copy of two leaves in flight (the async all-reduce of
-    one beside the conversion of the next), the largest leaf counting twice."""
+    """GPU bytes while ZeRO 0-1 reduce the whole gradient over dp after the backward (with a pipeline
+    or accumulation; otherwise each layer's is reduced inside the backward, zero's taps): the
+    compute-dtype gradients, and grad_reduce's copy of two leaves in flight (the async all-reduce or
+    reduce-scatter of one beside the conversion of the next), the largest leaf counting twice."""
     mesh = config.mesh
     if data_ways(config) == 1 or config.zero.stage >= 2 or (mesh.pp == 1 and config.train.grad_accum == 1):
         return 0.0
@@ -431,7 +443,7 @@ def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.
     # leaf being updated, and (pp) the fp32 accumulators. With bf16 the compute-dtype parameters are
     # dead from the end of the backward until they are rebuilt from the master after the cond (the
     # ZeRO 1-2 all-gather writes into their donated buffer), so their bytes are free for these.
-    reduced = (4 * llm / (dp if z >= 2 else 1)) if target == "cpu" and bf16 else gr["reduced"]
+    reduced = (4 * llm / (dp if z >= 1 else 1)) if target == "cpu" and bf16 else gr["reduced"]
     clipped = 4 * st["opt_params"] if config.train.grad_clip > 0 else 0.0
     moved_in = _largest_offloaded_leaf(config, counts, st) if target == "gpu" else 0.0
     adam_work = 8 * _largest_leaf(config) + moved_in

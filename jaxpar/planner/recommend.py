@@ -139,7 +139,8 @@ def evaluate(config: Config, hw: Hardware, gpus_per_node: int, time_unfit: bool 
 
 def describe(config: Config) -> str:
     mesh, p = config.mesh, config.mesh.pp
-    split = f"m={config.pipeline.microbatches} ({config.pipeline.schedule})" if p > 1 else \
+    virtual = f", v={config.pipeline.virtual_stages}" if config.pipeline.virtual_stages > 1 else ""
+    split = f"m={config.pipeline.microbatches} ({config.pipeline.schedule}{virtual})" if p > 1 else \
         f"grad_accum={config.train.grad_accum}"
     off = (" +offload.optimizer" if config.offload.optimizer else "") + \
         (" (update=host)" if config.offload.optimizer and config.offload.update == "host" else "") + \

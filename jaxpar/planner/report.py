@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 from jaxpar.config import Config, nan_guard_for, to_dict
 from jaxpar.planner import cost, memory, offload
@@ -148,6 +149,44 @@ def format_recommendation(result: dict, gpus: int, gpus_per_node: int, hw: Hardw
         for rule, ok, detail in rules(r, gpus, gpus_per_node):
             why = "" if ok else _price(rule, r, result["alternatives"].get(rule))
             lines.append(f"     {'follows' if ok else 'BREAKS '} \"{rule}\": {detail}{why}")
+        if "flags" in r:
+            lines.append(f"     flags: {_flags_text(r['flags'])}")
+    return "\n".join(lines)
+
+
+def _flags_text(flags: list[str]) -> str:
+    return " ".join(shlex.quote(f) for f in flags) or "(none: the config as written)"
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+
+
+def format_compiled(rows: list[dict], hw: Hardware, config_name: str) -> str:
+    """The compiled search's table (jaxpar.planner.compiled): the planner's figures beside the GPU-compiled
+    ones per layout, in the compiled ranking, each layout's flags under it, and the winner's command."""
+    budget = rows[0]["budget"] if rows else hw.usable_bytes
+    lines = [f"compiled search: the recommender's top {len(rows)}, GPU-compiled for {hw.name} without a device "
+             f"(peak: fits in {_size(budget)} usable; step and MFU: XLA's schedule estimate), planner / compiled:",
+             f"{'#':>2} {'plan#':>5}  {'peak':>21}  {'fits':>4}  {'step s':>15}  {'MFU':>13}  {'compile':>7}  layout"]
+    for i, row in enumerate(rows, 1):
+        a, c = row["analytic"], row["compiled"]
+        if "error" in c:
+            lines.append(f"{i:>2} {row['analytic_rank']:>5}  {_size(a['peak']):>9} / {'-':>9}  {'-':>4}  "
+                         f"{a['step_s']:>6.4g} / {'-':>6}  {a['mfu']:>5.1%} / {'-':>5}  {'FAILED':>7}  "
+                         f"{describe(row['config'])}")
+            lines.append(f"{'':9}compile failed: {c['error']}")
+        else:
+            lines.append(f"{i:>2} {row['analytic_rank']:>5}  {_size(a['peak']):>9} / {_size(c['peak']):>9}  "
+                         f"{'yes' if row['compiled_fits'] else 'NO':>4}  {a['step_s']:>6.4g} / {c['step_s']:>6.4g}  "
+                         f"{a['mfu']:>5.1%} / {c['mfu']:>5.1%}  {c['compile_s']:>6.0f}s  {describe(row['config'])}")
+        lines.append(f"{'':9}{_flags_text(row['flags'])}")
+    winner = rows[0] if rows and rows[0]["compiled_fits"] else None
+    if winner is None:
+        lines.append(f"none of the {len(rows)} fits when compiled: compile more (--compile K) or add GPUs")
+    else:
+        flags = _flags_text(winner["flags"]) if winner["flags"] else "(the config as written: no flags)"
+        lines.append(f"winner: python -m jaxpar.train --config {shlex.quote(config_name)} {flags}")
     return "\n".join(lines)
 
 

@@ -42,7 +42,7 @@ from jaxpar.config import Config
 from jaxpar.planner import kernels
 from jaxpar.compiler.hardware import KERNEL_LAUNCH_S, Hardware
 from jaxpar.parallel.schedule import pipeline_table
-from jaxpar.planner.memory import llm_block, local_params, local_seq, microbatch
+from jaxpar.planner.memory import head_positions, llm_block, local_params, local_seq, microbatch
 
 LAYER_D = 10  # c t d bytes of a layer forward's norms and residual adds
 BACKWARD_RATIO = 2.5  # a layer backward's elementwise bytes / its forward's (cotangents, some fp32)
@@ -104,7 +104,7 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
     if config.offload.optimizer and config.offload.update == "host":
         optimizer = 0.0  # the update runs on the host CPU (planner/offload.py prices it)
     sequences = config.train.global_batch_size // mesh.dp
-    head = HEAD_BYTES * sequences * s * m.vocab_size / (mesh.tp * mesh.pp)
+    head = HEAD_BYTES * sequences * head_positions(config) * m.vocab_size / (mesh.tp * mesh.pp)
     per_layer = counts["llm_layers"] / (m.n_layers // mesh.pp)
     # the pass that writes the weight gradients: B, or zb's W (its B writes only the norms')
     grad_passes = passes["weight"] or passes["backward"]
