@@ -82,6 +82,7 @@ def test_collective_matmul_under_remat_and_zero2_matches_single_device():
     assert_grads_close(grads, ref_grads)
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_collective_matmul_pipeline_matches_single_device():
     assert_matches_single_device(with_cm(pipeline_config((1, 2, 2), "1f1b", 4)))
 

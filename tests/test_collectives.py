@@ -203,8 +203,10 @@ def test_forward_scan_body_and_vocab_parallel_reductions(optimised):
     (body,) = while_bodies(comps, entry)  # the layer scan is the only loop
     in_layer = collective_instrs(comps, body, into_loops=True)
     assert [i["op"] for i in in_layer] == ["all-reduce", "all-reduce"]
-    for ins in in_layer:  # row-parallel outputs of attention and MLP: summed [B_local, S, D]
-        assert array_shapes(ins) == [f"f32[{B // 2},{S},{D}]"]
+    # row-parallel outputs of attention and MLP: summed [B_local, S, D]; the MLP's as one row of its B_local x S
+    # tokens (llama.per_token_block)
+    assert [array_shapes(ins) for ins in in_layer] == [[f"f32[{B // 2},{S},{D}]"], [f"f32[1,{B // 2 * S},{D}]"]]
+    for ins in in_layer:
         assert reducer(comps, ins) == "sum"
         assert hlo_collectives.axis_label(hlo_collectives.parse_replica_groups(ins["attrs"], 8), mesh) == "tp"
 
@@ -216,7 +218,7 @@ def test_forward_scan_body_and_vocab_parallel_reductions(optimised):
                               ("sum", f"f32[{B // 2},{S}]"),  # softmax normaliser
                               ("sum", f"f32[{B // 2},{S}]")])  # target logit
     # and no [B, S, V] logits anywhere in a collective
-    assert all(str(TINY_MODEL.vocab_size) not in i["shape"] for i in in_layer + outside)
+    assert all(f",{TINY_MODEL.vocab_size}]" not in i["shape"] for i in in_layer + outside)  # no [.., V] operand
 
 
 def test_forward_bf16_layers_reduce_bf16_and_cross_entropy_stays_f32():

@@ -108,6 +108,7 @@ def test_vla_head_on_actions_matches_single_device(dp, pp, tp, sp, schedule, vir
     run_and_compare(config)
 
 
+@pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_the_pipeline_delivers_only_the_action_positions_to_the_head():
     """(1, 2, 2) 1F1B: the head's pp all-reduces (the last stage's output to every stage, the cotangent
     back) carry [b, dims, d] per microbatch, not [b, S, d]; with the text loss, [b, S, d] as before."""

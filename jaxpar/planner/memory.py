@@ -337,7 +337,9 @@ def _pipeline_live(config: Config, activation: float, target: str = "cpu") -> tu
     if config.pipeline.stage_recompute:
         return 1.0, (in_flight + 2) * activation
     fresh = 1 if target == "gpu" else 0  # the tick's own chunk residuals, written beside the stash before
-    return (in_flight + fresh) / config.pipeline.virtual_stages, 2 * activation  # their copy into it
+    # their copy into it; the m first-input gradients summed over pp in the ticks' G slots wait in an [m, ...]
+    # buffer for the first input's backward after the ticks (jaxpar.parallel.first_input, issue 46)
+    return (in_flight + fresh) / config.pipeline.virtual_stages, (2 + m) * activation
 
 
 def _vision_activations(config: Config, c: int, target: str) -> dict:
