@@ -245,8 +245,9 @@ def copied_in(w: Any) -> Any:
 def gather_weight(axis, dim: int, reduce_dtype):
     """ZeRO-3's all-gather of a dp-sharded device weight (or of a (shard, sink) pair, `with_sinks`); its
     transpose reduce-scatters the gradient, in `reduce_dtype` when one is given (fp32 sums of bf16
-    weights' gradients), else the weight's dtype. A pair's gradient goes to its sink in the sink's
-    dtype; a plain weight's (no gradient is taken in this repo's uses) comes back in its own."""
+    weights' gradients), else the weight's dtype. A pair's gradient goes to its sink in the reduction's
+    dtype, which is the sink's (StepBuilder makes its sinks so); a plain weight's comes back in its own
+    dtype (no gradient is taken of one in this repo's uses)."""
     def gather(w):
         return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
 
