@@ -141,16 +141,17 @@ def builder(config):
 
 
 def run(config, steps=3, single=None):
-    """`steps` train steps from the single-device model's initial state (`single`: SINGLE's config)."""
+    """`steps` train steps from the single-device model's initial state (`single`: SINGLE's config); the state
+    and gradients moved between the model's layer order and an interleaved pipeline's (pipeline.layer_order)."""
     b = builder(config)
-    state = jax.device_put(reference_state(single or SINGLE), b.state_shardings())
+    state = jax.device_put(b.from_model_order(reference_state(single or SINGLE)), b.state_shardings())
     step = b.jit_train_step(with_grads=True)
     losses, grads0 = [], None
     for i in range(steps):
         batch = jax.device_put(vla.synthetic_batch(config, i, config.train.global_batch_size), b.batch_sharding())
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-        grads0 = grads0 or jax.device_get(metrics["grads"])
+        grads0 = grads0 or b.to_model_order(jax.device_get(metrics["grads"]))
     return np.array(losses), grads0, state
 
 

@@ -64,18 +64,8 @@ def test_the_head_on_the_last_positions_equals_the_head_on_all():
 
 
 def run(config, steps=3):
-    """test_vla.run, with the state and gradients moved between the model's layer order and an
-    interleaved pipeline's (pipeline.layer_order)."""
-    b = test_vla.builder(config)
-    state = jax.device_put(b.from_model_order(test_vla.reference_state(SINGLE)), b.state_shardings())
-    step = b.jit_train_step(with_grads=True)
-    losses, grads0 = [], None
-    for i in range(steps):
-        batch = jax.device_put(vla.synthetic_batch(config, i, config.train.global_batch_size), b.batch_sharding())
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-        grads0 = grads0 or b.to_model_order(jax.device_get(metrics["grads"]))
-    return np.array(losses), grads0
+    """(losses, first gradients) of test_vla.run from this file's single-device state."""
+    return test_vla.run(config, steps, single=SINGLE)[:2]
 
 
 def run_and_compare(config):

@@ -26,4 +26,27 @@ def load_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     return config
 
 
+def override_text(value) -> str:
+    """`value` as `--config.KEY=VALUE` writes it for parse_value to read back: true / false, repr of a float
+    (exact round trip), comma-separated tuples."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return ",".join(override_text(v) for v in value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def differences(before: Config, after: Config) -> list[tuple[str, str]]:
+    """(dotted key, override_text of its value) for every setting of `after` that differs from `before`:
+    the overrides that turn one config into the other (the planner's and the preflight's suggestions)."""
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    old, new = flat(to_dict(before)), flat(to_dict(after))
+    return [(key, override_text(value)) for key, value in new.items() if old.get(key) != value]
+
+
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -33,7 +33,7 @@ import tempfile
 import time
 from typing import Callable
 
-from jaxpar.config import Config, to_dict
+from jaxpar.config import Config, differences
 from jaxpar.errors import ConfigError
 from jaxpar.compiler.hardware import GB, Hardware, memory_budget
 
@@ -41,31 +41,10 @@ COMPILE_TIMEOUT_S = 3600  # per layout: vla70b on 64 A100s, 1-3 minutes on 2 idl
 MAX_COMPILE = 20  # --compile K: each layout costs a compile; more is a layout search, not a re-ranking
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def flag_value(value) -> str:
-    """`value` as the override parser reads it back (jaxpar.config.parse_value): true / false, repr of a
-    float (exact round trip), comma-separated tuples."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (tuple, list)):
-        return ",".join(flag_value(v) for v in value)
-    return repr(value) if isinstance(value, float) else str(value)
-
-
 def override_flags(defaults: Config, config: Config) -> list[str]:
     """`--config.KEY=VALUE` for every setting of `config` that differs from `defaults` (the config file as
     written, no overrides): the candidate's full override set, the user's own overrides included."""
-    base, mine = _flat(to_dict(defaults)), _flat(to_dict(config))
-    return [f"--config.{key}={flag_value(value)}" for key, value in mine.items() if base.get(key) != value]
+    return [f"--config.{key}={text}" for key, text in differences(defaults, config)]
 
 
 def command(config_name: str, flags: list[str], gpu: str, gpus_per_node: int, workdir: pathlib.Path) -> list[str]:

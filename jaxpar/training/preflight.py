@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 from jaxpar.compiler import hardware
 from jaxpar.compiler.dry_run import compiled_bytes
 from jaxpar.compiler.hardware import GB
-from jaxpar.config import Config, to_dict
+from jaxpar.config import Config, differences
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.processes import meet
 from jaxpar.planner import recommend
@@ -106,7 +106,7 @@ def recommendation(config: Config, mesh, limit: float) -> str:
                                      target=target)["ranked"]
     except ConfigError:  # no layout fits (or none is valid): the recommender's own reason is about GPUs
         ranked = []
-    others = [(r, overrides(config, r["config"])) for r in ranked]
+    others = [(r, differences(config, r["config"])) for r in ranked]
     others = [(r, flags) for r, flags in others if flags]
     if not others:
         return (f"the recommender finds no other layout of the {devices} devices that fits {_gb(limit)}: add "
@@ -121,30 +121,6 @@ def _hardware(mesh, limit: float) -> hardware.Hardware:
     kind = mesh.devices.flat[0].device_kind
     profile = hardware.profile_for(kind) or dataclasses.replace(hardware.get(STAND_IN_PROFILE), name=kind)
     return dataclasses.replace(profile, hbm_gb=limit / GB, usable_hbm_fraction=1.0)
-
-
-def overrides(before: Config, after: Config) -> list[tuple[str, str]]:
-    """(dotted key, value as --config takes it) of every key whose value differs from `before` to `after`."""
-    old, new = _flat(to_dict(before)), _flat(to_dict(after))
-    return [(key, _text(value)) for key, value in new.items() if old.get(key) != value]
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _text(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return ",".join(map(str, value))
-    return str(value)
 
 
 def _gb(n: float) -> str:
