@@ -65,7 +65,10 @@ def test_layer_all_reduces_become_reduce_scatter_all_gather_and_temp_falls():
                       ("all-reduce", "tp"): loss_scalars + 2 * layers + 1 + grad_norm}
     moved = sum(e["bytes"] for e in sp["collectives_requested"] if e["axis"] == "tp" and e["op"] != "all-reduce")
     assert moved == 2 * (4 * layers + 2) * activation  # = the base's activation all-reduces, each one RS + one AG
-    assert sp["per_device_bytes"]["temp"] < 0.85 * base["per_device_bytes"]["temp"]
+    # each layer keeps two residual-stream tensors for its backward, the norms' inputs (the layer's input and
+    # the sum after attention: jaxpar.layers.norm's rule keeps only those), which SP keeps split over tp
+    fall = base["per_device_bytes"]["temp"] - sp["per_device_bytes"]["temp"]
+    assert fall >= layers * 2 * (1 - 1 / 4) * activation, (fall, activation)
 
 
 def test_sequence_parallel_needs_tp_and_a_divisible_sequence():

@@ -32,7 +32,7 @@ def varying_of(aval) -> frozenset:
     return frozenset(vma)
 
 
-def _typed_like(w: jax.Array, x: jax.Array) -> jax.Array:
+def typed_like(w: jax.Array, x: jax.Array) -> jax.Array:
     """`w` typed as varying over every manual axis `x` varies over, as einsum casts it implicitly (a custom_vjp
     must be handed it so: its weight gradient then has the weight's type, and JAX sums it outside)."""
     missing = tuple(sorted(varying_of(jax.typeof(x)) - varying_of(jax.typeof(w))))
@@ -156,7 +156,7 @@ class Collectives:
             shares_kv = kv and (self.kv_heads_replicated or any(
                 a not in varying_of(jax.typeof(w)) for a in _as_tuple(self.tp_axis) for w in weights[-2:]))
             if not shares_kv and self._ring_pays(x_BxSxD.shape[0] * x_BxSxD.shape[1]):
-                linears = [(equation, _typed_like(w, x_BxSxD)) for equation, w in linears]
+                linears = [(equation, typed_like(w, x_BxSxD)) for equation, w in linears]
                 return collective_matmul.all_gather_linears(x_BxSxD, linears, self.sequence_axes,
                                                             keep_gathered=self.keeps_gathered_inputs)
             x_BxSxD = self.enter_tensor_parallel(x_BxSxD)
@@ -169,7 +169,7 @@ class Collectives:
         sequence parallelism); with `matmul_rings` the sum is a ring under the chunks' GEMMs (where they
         are long enough: `_ring_pays`)."""
         if self.matmul_rings and self._ring_pays(x.shape[0] * x.shape[1] // jax.lax.axis_size(self.sequence_axes)):
-            return collective_matmul.linear_reduce_scatter(equation, x, _typed_like(w, x), self.sequence_axes)
+            return collective_matmul.linear_reduce_scatter(equation, x, typed_like(w, x), self.sequence_axes)
         return self.row_parallel_sum(self.linear(equation, x, w))
 
     def tp_sum(self, x: jax.Array) -> jax.Array:

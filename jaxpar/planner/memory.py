@@ -152,32 +152,35 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
         return layer_input + linear + gathered + 4 * scores + c * t * blk.f, 0.0
     if blk.gpu and blk.gated:  # a Llama layer on the GPU: the compiled program's residual stacks
         return _kept_without_remat_on_gpu(blk, b, s, c) + (0 if blk.regathers else gathered), 0.0
-    # none: + norm outputs (sequence parallel: the all-gathered ones the projections keep, full length), fp32 RoPE'd q / k, SwiGLU hidden, and per score element 14 bytes: what the
-    # XLA:CPU program keeps of XLA attention (three fp32 [b, h, s, s] buffers and a 2-byte remainder,
-    # measured in fp32 and bf16 alike; JAX's own residuals are the fp32 and compute-dtype probabilities);
-    # the GPU compiler keeps 10 (fitted on its programs: docs/planner.md); on the GPU only the ViT's count
-    extra = c * t * (2 * blk.d + 2 * blk.f) + 4 * t * (blk.q + blk.kv) + (10 if blk.gpu else 14) * scores
+    # none: + norm outputs (sequence parallel: the all-gathered ones the projections keep, full length), fp32
+    # RoPE'd q / k, the MLP's hidden (SwiGLU's rule keeps gate and up, counted in `linear`, and the down
+    # projection its input; a GELU MLP two [t, f]), and per score element 10 bytes: what the compiled program
+    # keeps of XLA attention beyond them (JAX's own residuals are the fp32 and compute-dtype probabilities).
+    # XLA:CPU kept 14 while the norms kept their fp32 normalised values; with the norms' and SwiGLU's own
+    # backward rules (jaxpar.layers.norm, mlp) it keeps 10, the GPU compiler's figure (docs/planner.md)
+    extra = c * t * (2 * blk.d + (1 if blk.gated else 2) * blk.f) + 4 * t * (blk.q + blk.kv) + 10 * scores
     return layer_input + linear + gathered + extra, 0.0
 
 
 def _kept_without_remat_on_gpu(blk: Block, b: int, s: int, c: int) -> float:
     """remat none, a Llama layer on XLA's GPU compiler: the forward scan's residual stacks, which are
-    JAX's residuals (docs/planner.md, "remat none on the GPU"). Each RMSNorm keeps its fp32 input and
-    normalised value, [t, d] with sequence parallelism split over tp; the norm outputs feed the
-    projections (the all-gathered ones with sequence parallelism, unless ZeRO-3's policy drops every
-    all-gather: then the local shard); q, k, v (RoPE'd) and the attention output in the compute dtype;
-    SwiGLU keeps six [t, f] tensors (gate, up, the sigmoid, SiLU, hidden and one more XLA holds); no
-    projection output (attn_proj, mlp_out: JAX keeps only residuals). Attention: cuDNN's fp32
-    statistics, or XLA's fp32 scores and compute-dtype probabilities (the stacks JAX keeps) and 4 bytes
-    per score element more that the GPU program holds (10 in all, the earlier fit's figure). Context
-    parallelism's gathered K and V are the caller's, kept unless ZeRO-3 drops all-gathers."""
+    JAX's residuals (docs/planner.md, "remat none on the GPU"). Each RMSNorm keeps its input in the
+    compute dtype (its own backward rule, jaxpar.layers.norm), [t, d] with
+    sequence parallelism split over tp; the norm outputs feed the projections (the all-gathered ones
+    with sequence parallelism, unless ZeRO-3's policy drops every all-gather: then the local shard); q,
+    k, v (RoPE'd) and the attention output in the compute dtype; SwiGLU keeps gate and up (its rule,
+    jaxpar.layers.mlp.swiglu) and the down projection its input, three [t, f]; no projection output
+    (attn_proj, mlp_out: JAX keeps only residuals). Attention: cuDNN's fp32 statistics, or XLA's fp32
+    scores and compute-dtype probabilities (the stacks JAX keeps) and 4 bytes per score element more
+    that the GPU program holds (10 in all, the earlier fit's figure). Context parallelism's gathered K
+    and V are the caller's, kept unless ZeRO-3 drops all-gathers."""
     t = b * s
-    norms_f32 = 2 * 2 * 4 * t * blk.d / blk.seq_split
+    norm_inputs = 2 * c * t * blk.d / blk.seq_split
     norm_outputs = 2 * c * t * blk.d / (blk.seq_split if blk.regathers else 1)
     projections = c * t * (2 * blk.q + 2 * blk.kv)
-    swiglu = 6 * c * t * blk.f
+    swiglu = 3 * c * t * blk.f
     attention = 4 * b * blk.heads * s if blk.cudnn else (4 + 4 + c) * b * blk.heads * s * s * blk.context
-    return norms_f32 + norm_outputs + projections + swiglu + attention
+    return norm_inputs + norm_outputs + projections + swiglu + attention
 
 
 def layer_working_set(policy: str, blk: Block, b: int, s: int, c: int) -> float:
