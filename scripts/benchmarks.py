@@ -28,6 +28,10 @@ MB = 1e6
 SEED_TABLE_2_3_GB = {0: 76, 1: 52, 2: 38, 3: 22}  # first seed article, table 2.3 (7B, 8 x A100)
 
 
+# llama7b.py's layout until 2026-12-05 (its docstring), the base of the llama7b tables in BENCHMARKS.md
+LLAMA7B_TP8 = ["mesh.dp=1", "mesh.pp=1", "mesh.tp=8", "zero.stage=1", "remat.policy=full"]
+
+
 def with_layout(config, dp=1, pp=1, tp=1, stage=None, **pipeline):
     mesh = dataclasses.replace(config.mesh, dp=dp, pp=pp, tp=tp)
     zero = config.zero if stage is None else dataclasses.replace(config.zero, stage=stage)
@@ -40,7 +44,7 @@ def mesh_for(config):
 
 
 def zero_memory():
-    base = load_config("llama7b.py")
+    base = load_config("llama7b.py", LLAMA7B_TP8)
     print("| ZeRO | params | opt_state | grads (formula) | formula total | temp | peak | seed table 2.3 |")
     print("|---|---|---|---|---|---|---|---|")
     for stage in range(4):
@@ -154,7 +158,7 @@ def variants(base):
 
 
 def remat_memory():
-    base = load_config("llama7b.py")
+    base = load_config("llama7b.py", LLAMA7B_TP8)
     print(f"llama7b, mesh {base.mesh}, ZeRO-{base.zero.stage}, {base.precision}, "
           f"batch {base.train.global_batch_size} x {base.train.seq_len}")
     print("| remat | device opt_state | host opt_state | temp | peak |")
@@ -235,7 +239,7 @@ def _checkpoint_times(config, workdir, steps=8):
 
 def checkpoint_time():
     tiny = load_config("llama_tiny.py")
-    big = load_config("llama7b.py")
+    big = load_config("llama7b.py", LLAMA7B_TP8)
     big = dataclasses.replace(big, model=dataclasses.replace(big.model, n_layers=1), mesh=dataclasses.replace(
         big.mesh, dp=1, tp=1), zero=dataclasses.replace(big.zero, stage=0),  # 8 emulated copies would not fit 24 GB
                               train=dataclasses.replace(big.train, global_batch_size=1, seq_len=128))

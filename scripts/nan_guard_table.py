@@ -19,14 +19,16 @@ SEED_16 = ["mesh.dp=1", "mesh.pp=4", "mesh.tp=4", "mesh.sequence_parallel=false"
            "remat.policy=full", "pipeline.microbatches=16", "pipeline.virtual_stages=1", "grad_reduce=fp32",
            "vision.tp=2", "actions.instruction_len=32"]
 # (name, config, gpu, overrides)
+# llama7b.py's layout until 2026-12-05 (its docstring), which these rows were measured on
+TP8 = ["mesh.dp=1", "mesh.pp=1", "mesh.tp=8", "zero.stage=1", "remat.policy=full"]
 ROWS = [
-    ("llama7b tp 8 (as shipped)", "llama7b", "h100", []),
-    ("llama7b dp 8 ZeRO-1", "llama7b", "h100", ["mesh.dp=8", "mesh.tp=1", "zero.stage=1"]),
+    ("llama7b tp 8 (as shipped until 2026-12-05)", "llama7b", "h100", TP8),
+    ("llama7b dp 8 ZeRO-1", "llama7b", "h100", [*TP8, "mesh.dp=8", "mesh.tp=1", "zero.stage=1"]),
     ("llama7b dp 2 tp 4 ZeRO-2 selective", "llama7b", "h100",
-     ["mesh.dp=2", "mesh.tp=4", "zero.stage=2", "remat.policy=selective", "train.global_batch_size=4"]),
-    ("llama7b dp 8 ZeRO-3", "llama7b", "h100", ["mesh.dp=8", "mesh.tp=1", "zero.stage=3"]),
+     [*TP8, "mesh.dp=2", "mesh.tp=4", "zero.stage=2", "remat.policy=selective", "train.global_batch_size=4"]),
+    ("llama7b dp 8 ZeRO-3", "llama7b", "h100", [*TP8, "mesh.dp=8", "mesh.tp=1", "zero.stage=3"]),
     ("llama7b pp 2 tp 4 1F1B m 8", "llama7b", "h100",
-     ["mesh.pp=2", "mesh.tp=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]),
+     [*TP8, "mesh.pp=2", "mesh.tp=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]),
     ("vla70b (as shipped)", "vla70b", "a100-80gb", []),
     ("vla70b, the seed's 16-GPU layout", "vla70b", "a100-80gb", SEED_16),
 ]

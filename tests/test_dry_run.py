@@ -22,7 +22,7 @@ from unittest import mock
 import jax
 import pytest
 
-from conftest import XLA_DEFAULT_CODEGEN, make_config, tp_local_params
+from conftest import LLAMA7B_TP8, XLA_DEFAULT_CODEGEN, make_config, tp_local_params
 from jaxpar.compiler import dry_run as dr
 from jaxpar.config import MeshConfig, ModelConfig, ZeroConfig, load_config
 from jaxpar.parallel.mesh import Layout
@@ -67,7 +67,7 @@ def report(dp: int, tp: int, stage: int, grad_reduce: str = "fp32") -> dict:
 
 @functools.cache
 def llama7b(dp: int, tp: int, stage: int) -> dict:
-    config = load_config("llama7b.py")
+    config = load_config("llama7b.py", LLAMA7B_TP8)
     config = dataclasses.replace(config, mesh=MeshConfig(dp=dp, pp=1, tp=tp), zero=ZeroConfig(stage=stage))
     return dr.dry_run(config, mesh_for(config))
 

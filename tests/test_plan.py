@@ -16,7 +16,7 @@ from unittest import mock
 import jax
 import pytest
 
-from conftest import builder_for, make_config
+from conftest import LLAMA7B_TP8, builder_for, make_config
 from jaxpar.compiler import dry_run as dr
 from jaxpar.config import (Config, MeshConfig, ModelConfig, PipelineConfig, RematConfig, TrainConfig, ZeroConfig,
                            load_config, validate)
@@ -74,7 +74,7 @@ def test_estimated_peak_within_20_percent_of_compiled(layout):
 
 def test_state_terms_are_the_zero_table():
     """params + master + Adam = (2 + 12) Psi / N where sharded, Psi counted from the shapes."""
-    config = load_config("llama7b.py", ["mesh.dp=8", "mesh.tp=1", "zero.stage=1"])
+    config = load_config("llama7b.py", [*LLAMA7B_TP8, "mesh.dp=8", "mesh.tp=1", "zero.stage=1"])
     per_device = memory.estimate(config)["per_device_bytes"]
     psi = 6_738_415_616
     assert per_device["params"] == 2 * psi
@@ -242,7 +242,7 @@ def test_tp_comm_is_megatrons_four_all_reduces_per_layer():
     """llama7b tp=8 in one node: 2 all-reduces of a [b, s, d] activation per layer forward and 2 backward
     (+2 for the forward full remat runs again), ring over NVLink at half its bidirectional bandwidth."""
     hw = hardware.get("a100-80gb")
-    config = load_config("llama7b.py", ["mesh.dp=1", "mesh.tp=8", "remat.policy=none"])
+    config = load_config("llama7b.py", [*LLAMA7B_TP8, "mesh.dp=1", "mesh.tp=8", "remat.policy=none"])
     activation = 2 * config.train.global_batch_size * config.train.seq_len * 4096  # bf16
     ring = 2 * 7 / 8 / (hw.nvlink_gbps / 2 * 1e9)
     assert cost.step_time(config, hw, 8)["tp_comm_s"] == pytest.approx(4 * 32 * activation * ring)
@@ -251,7 +251,7 @@ def test_tp_comm_is_megatrons_four_all_reduces_per_layer():
 
 
 def pipelined(m=16, batch=64, **pipeline):
-    base = load_config("llama7b.py", ["mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "zero.stage=0", "remat.policy=none",
+    base = load_config("llama7b.py", [*LLAMA7B_TP8, "mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "zero.stage=0", "remat.policy=none",
                                       f"train.global_batch_size={batch}", f"pipeline.microbatches={m}"])
     return dataclasses.replace(base, pipeline=dataclasses.replace(base.pipeline, **pipeline))
 
@@ -417,7 +417,7 @@ def test_dp_traffic_by_stage_and_grad_reduce_dtype_and_what_overlaps():
     hw = hardware.get("a100-80gb")
 
     def times(stage, grad_reduce="fp32"):
-        config = load_config("llama7b.py", ["mesh.dp=8", "mesh.tp=1", f"zero.stage={stage}", "precision=bf16",
+        config = load_config("llama7b.py", [*LLAMA7B_TP8, "mesh.dp=8", "mesh.tp=1", f"zero.stage={stage}", "precision=bf16",
                                             f"grad_reduce={grad_reduce}"])
         return cost.step_time(config, hw, 8)
 
@@ -481,7 +481,7 @@ def test_pipelined_dp_reduction_hides_the_head_and_interleaved_chunks():
     hw = hardware.get("a100-80gb")
 
     def times(virtual):
-        config = load_config("llama7b.py", ["mesh.dp=8", "mesh.pp=4", "mesh.tp=1", "zero.stage=1", "precision=bf16",
+        config = load_config("llama7b.py", [*LLAMA7B_TP8, "mesh.dp=8", "mesh.pp=4", "mesh.tp=1", "zero.stage=1", "precision=bf16",
                                             "train.global_batch_size=64", "pipeline.microbatches=8",
                                             f"pipeline.virtual_stages={virtual}"])
         return cost.step_time(config, hw, 8)
@@ -501,7 +501,7 @@ PSI_7B = 6_738_415_616  # llama7b's parameters (test_state_terms_are_the_zero_ta
 
 
 def llama7b(*overrides):
-    return load_config("llama7b.py", ["mesh.dp=8", "mesh.tp=1", *overrides])
+    return load_config("llama7b.py", [*LLAMA7B_TP8, "mesh.dp=8", "mesh.tp=1", *overrides])
 
 
 def test_offload_params_moves_the_shards_to_host_but_two_layers():
@@ -561,7 +561,7 @@ def test_remat_offload_moves_each_layers_named_outputs_out_and_back():
     projection (4096), the SwiGLU gate and up (2 x 1376) and cuDNN's fp32 softmax statistics (4 heads x
     4096 per sequence) go out, and come back for the backward: 37,346,082,816 bytes, the GPU-compiled
     program's host copies on 8 H100s (2026-12-04). A quarter of their time hides behind compute."""
-    config = load_config("llama7b.py", ["remat.policy=offload"])
+    config = load_config("llama7b.py", [*LLAMA7B_TP8, "remat.policy=offload"])
     per_layer = 2 * 8 * 4096 * (4 * 512 + 4096 + 2 * 1376) + 4 * 8 * 4 * 4096
     moved = offload.link_bytes(config)
     assert moved["activations_out"] == moved["activations_in"] == 32 * per_layer

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from conftest import LLAMA7B_TP8
 from jaxpar.compiler import gpu_aot, hardware
 from jaxpar.config import load_config, override_text, to_dict
 from jaxpar.planner import compiled, recommend
@@ -172,9 +173,10 @@ VLA70B_SEED_LAYOUT = ["mesh.dp=2", "mesh.pp=4", "mesh.sequence_parallel=false", 
                       "pipeline.microbatches=16", "pipeline.virtual_stages=1", "grad_reduce=fp32", "vision.tp=2",
                       "actions.instruction_len=32"]
 PLANNER_CASES = [
-    planner_case("llama7b", "h100", [], slow=False),
+    planner_case("llama7b", "h100", [], slow=False),  # as shipped: dp 8 ZeRO-3, remat none (the compiled search's pick)
+    planner_case("llama7b", "h100", LLAMA7B_TP8),  # the layout shipped until 2026-12-05
     # remat none: the recommender's pick for llama7b on 8 A100s (docs/planner.md "remat none on the GPU")
-    planner_case("llama7b", "a100", ["mesh.dp=4", "mesh.tp=2", "mesh.sequence_parallel=true", "zero.stage=2",
+    planner_case("llama7b", "a100", [*LLAMA7B_TP8, "mesh.dp=4", "mesh.tp=2", "mesh.sequence_parallel=true", "zero.stage=2",
                                      "remat.policy=none"], slow=False),
     planner_case("llama1b", "h100", [*SHAPE_3B, "mesh.tp=8", "zero.stage=1", "remat.policy=none"]),
     planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=selective"]),
@@ -182,13 +184,13 @@ PLANNER_CASES = [
     planner_case("llama1b", "h200", ["model.attention=xla", "remat.policy=full"]),
     planner_case("llama1b", "h200", []),
     # the NaN guard: the cond's update writes the whole new state to fresh buffers; auto (the select) in place
-    planner_case("llama7b", "h100", ["mesh.dp=8", "mesh.tp=1", "zero.stage=3", "train.nan_guard=cond"]),
-    planner_case("llama7b", "h100", ["mesh.dp=8", "mesh.tp=1", "zero.stage=3"]),
-    planner_case("llama7b", "h100", ["mesh.dp=2", "mesh.tp=4", "zero.stage=2", "remat.policy=selective",
+    planner_case("llama7b", "h100", [*LLAMA7B_TP8, "mesh.dp=8", "mesh.tp=1", "zero.stage=3", "train.nan_guard=cond"]),
+    planner_case("llama7b", "h100", [*LLAMA7B_TP8, "mesh.dp=8", "mesh.tp=1", "zero.stage=3"]),
+    planner_case("llama7b", "h100", [*LLAMA7B_TP8, "mesh.dp=2", "mesh.tp=4", "zero.stage=2", "remat.policy=selective",
                                      "train.global_batch_size=4"]),
-    planner_case("llama7b", "h100", ["mesh.pp=2", "mesh.tp=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]),
+    planner_case("llama7b", "h100", [*LLAMA7B_TP8, "mesh.pp=2", "mesh.tp=4", "pipeline.schedule=1f1b", "pipeline.microbatches=8"]),
     planner_case("vla_openvla", "h100", []),
-    planner_case("llama7b", "h100", ["mesh.dp=8", "mesh.tp=1", "zero.stage=1"]),
+    planner_case("llama7b", "h100", [*LLAMA7B_TP8, "mesh.dp=8", "mesh.tp=1", "zero.stage=1"]),
     # the interleaved dp = 1 pipeline, its chunks taken whole after the last tick
     planner_case("llama1b", "h100", [*SHAPE_3B, "mesh.pp=2", "mesh.tp=4", "zero.stage=0", "pipeline.microbatches=4",
                                      "pipeline.virtual_stages=4"]),
@@ -196,13 +198,13 @@ PLANNER_CASES = [
     planner_case("vla70b", "a100", []),
     planner_case("vla70b", "a100", VLA70B_SEED_LAYOUT),
     # dp across nodes (64 GPUs); peak -16%: remat none with sequence parallelism under ZeRO-3 (a named miss)
-    planner_case("llama7b", "a100", ["mesh.dp=16", "mesh.tp=4", "mesh.sequence_parallel=true", "zero.stage=3",
+    planner_case("llama7b", "a100", [*LLAMA7B_TP8, "mesh.dp=16", "mesh.tp=4", "mesh.sequence_parallel=true", "zero.stage=3",
                                      "remat.policy=none", "train.global_batch_size=64"], memory=0.25),
-    planner_case("llama7b", "a100", ["mesh.dp=8", "mesh.tp=8", "mesh.sequence_parallel=true", "zero.stage=2",
+    planner_case("llama7b", "a100", [*LLAMA7B_TP8, "mesh.dp=8", "mesh.tp=8", "mesh.sequence_parallel=true", "zero.stage=2",
                                      "remat.policy=selective"]),
-    planner_case("llama7b", "h100", ["remat.policy=offload"]),
+    planner_case("llama7b", "h100", [*LLAMA7B_TP8, "remat.policy=offload"]),
     # peak -35%: ZeRO-2's accumulation buffers on a 4-layer 70B shape (a named miss)
-    planner_case("llama7b", "a100", ["model.d_model=8192", "model.n_layers=4", "model.n_heads=64", "model.n_kv_heads=8",
+    planner_case("llama7b", "a100", [*LLAMA7B_TP8, "model.d_model=8192", "model.n_layers=4", "model.n_heads=64", "model.n_kv_heads=8",
                                      "model.d_ff=28672", "mesh.dp=4", "mesh.tp=8", "zero.stage=2", "remat.policy=full",
                                      "train.grad_accum=2"], memory=0.45),
 ]

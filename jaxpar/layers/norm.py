@@ -62,7 +62,8 @@ def _layer_norm(x, scale, bias, eps):
 
 def layer_norm(x_BxSxD: jax.Array, scale_D: jax.Array, bias_D: jax.Array, eps: float = 1e-6) -> jax.Array:
     """LayerNorm (ViT), in fp32 whatever the compute dtype."""
-    return _layer_norm(x_BxSxD, typed_like(jnp.asarray(scale_D), x_BxSxD), typed_like(jnp.asarray(bias_D), x_BxSxD), eps)
+    scale_D, bias_D = (typed_like(jnp.asarray(w), x_BxSxD) for w in (scale_D, bias_D))
+    return _layer_norm(x_BxSxD, scale_D, bias_D, eps)
 
 
 def _ln_forward(x, scale, bias, eps):
