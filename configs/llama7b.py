@@ -7,7 +7,7 @@ The layout the compiled search chose (issue 46 item 6, 2026-12-05): `python -m j
 llama7b.py --recommend --gpus 8 --gpu h100 --compile 18` compiled the planner's top 18 layouts for this
 batch (8 sequences of 4,096 tokens) with XLA's GPU compiler, no device, and ranked this first: estimated
 step 0.411 s, MFU 46.5%, peak 33.2 GB of H100-80GB's 76.4 usable (the planner ranked it 18th: 0.446 s);
-dp 4 x tp 2 + sequence parallelism with ZeRO-3 came next (selective remat 45.3%, none 44.6%). The estimate
+dp 4 x tp 2 + sequence parallelism with ZeRO-3 came next (selective remat 45.5%, none 44.9%). The estimate
 is the schedule walk's (matmuls at 0.55 of peak, fitted on one H200), not a GPU measurement.
 BENCHMARKS.md "No waste in the GPU step" has the table.
 

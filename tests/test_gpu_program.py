@@ -178,6 +178,17 @@ SLICED = """
   %z = s32[] constant(0)
   ROOT %d = f32[16,1024,1024]{2,1,0} dynamic-update-slice(%buf, %ub, %i, %z, %z)
 }
+
+%fused_read_updated (buf: f32[16,1024,1024], u: f32[1024,1024], i: s32[], j: s32[]) -> f32[1,1024,1024] {
+  %buf = f32[16,1024,1024]{2,1,0} parameter(0)
+  %u = f32[1024,1024]{1,0} parameter(1)
+  %ub = f32[1,1024,1024]{2,1,0} bitcast(%u)
+  %i = s32[] parameter(2)
+  %j = s32[] parameter(3)
+  %z = s32[] constant(0)
+  %d = f32[16,1024,1024]{2,1,0} dynamic-update-slice(%buf, %ub, %i, %z, %z)
+  ROOT %s = f32[1,1024,1024]{2,1,0} dynamic-slice(%d, %j, %z, %z), dynamic_slice_sizes={1,1024,1024}
+}
 """
 
 
@@ -194,3 +205,8 @@ def test_a_layer_scan_reads_and_writes_one_layer_of_a_stacked_buffer():
     update = {"name": "d", "op": "fusion", "args": ["w", "u", "i"], "shape": "f32[16,1024,1024]{2,1,0}",
               "attrs": ", kind=kLoop, calls=%fused_update"}
     assert walker.kernel_cost(update, instrs) == (0.0, layer + 4 + layer)  # update and index read, update written
+    # a slice of the stack as updated inside the fusion (the pipeline's B slot reading the stash entry F may
+    # have written this tick): one layer read from the stack or the update, the update, two indices, one written
+    read_updated = {"name": "r", "op": "fusion", "args": ["w", "u", "i", "i"], "shape": "f32[1,1024,1024]{2,1,0}",
+                    "attrs": ", kind=kLoop, calls=%fused_read_updated"}
+    assert walker.kernel_cost(read_updated, instrs) == (0.0, layer + layer + 4 + 4 + layer)

@@ -15,7 +15,9 @@ The model:
   HBM bandwidth) + KERNEL_LAUNCH_S. FLOPs (jaxpar.compiler.hlo_collectives's): dots and convolutions inside it, cuBLAS
   GEMMs, cuDNN flash attention (hlo_flops.fmha_flops: 4 b h sq sk d forward, 2.5 times that backward, which
   recomputes the scores; half with a causal mask, whose masked blocks the kernel skips). Bytes: operands
-  read plus results written; a fusion operand it only slices counts its slices, and the buffer a dynamic-update-slice
+  read plus results written; a fusion operand it only slices counts its slices (also when it slices the operand
+  as a dynamic-update-slice inside the fusion left it: the pipeline's B slot reading its stash entry through the
+  F slot's write of the same tick, counted whole until 2026-12-05), and the buffer a dynamic-update-slice
   writes in place counts the update alone (a layer scan reads one layer of its stacked weights).
 - A collective costs COLLECTIVE_LATENCY_S plus its ring time over the link its groups cross, with the
   planner's figures (jaxpar.planner.cost.link_bandwidth: NVLink inside a node, the node's NICs shared
@@ -189,8 +191,11 @@ class _Walker:
         return (own[1] or 0.0) if own else 0.0, nbytes
 
     def _fusion_bytes(self, ins: dict, instrs: dict, callee: str) -> float:
-        """Bytes a fusion reads and writes: a parameter only sliced counts its slices; the buffer a root
-        dynamic-update-slice updates in place is neither read nor written whole (bitcasts seen through)."""
+        """Bytes a fusion reads and writes: a parameter only sliced counts its slices, also where the slice
+        reads it through a dynamic-update-slice inside the fusion (the pipeline's B slot reading the stash
+        as F's write of the same tick left it: the kernel reads one entry, from the buffer or the update);
+        the buffer a root dynamic-update-slice updates in place is neither read nor written whole
+        (bitcasts seen through)."""
         body = self.comps.get(callee, [])
         if not body:
             return 0.0
@@ -211,6 +216,20 @@ class _Walker:
                 out.extend(uses(u["name"]) if u["op"] == "bitcast" else [(name, u)])
             return out
 
+        def sliced_only(name: str) -> list[dict] | None:  # the slices that read `name`, or None if more does
+            slices = []
+            for used, u in uses(name):
+                if u["op"] in _SLICES and u["args"][0] == used:
+                    slices.append(u)
+                elif u["op"] == "dynamic-update-slice" and u["args"][0] == used:
+                    inner = sliced_only(u["name"])  # the updated buffer, read by slices only (an output is not)
+                    if inner is None:
+                        return None
+                    slices.extend(inner)
+                else:
+                    return None
+            return slices or None
+
         root = body[-1]
         outputs = [by_name.get(source(a)) for a in root["args"]] if root["op"] == "tuple" else [
             by_name.get(source(root["name"]))]
@@ -219,9 +238,9 @@ class _Walker:
         for i in body:
             if i["op"] != "parameter" or i["name"] in in_place:
                 continue
-            used = uses(i["name"])
-            if used and all(u["op"] in _SLICES and u["args"][0] == name for name, u in used):
-                read += sum(_nbytes(u["shape"]) for _, u in used)
+            slices = sliced_only(i["name"])
+            if slices:
+                read += sum(_nbytes(u["shape"]) for u in slices)
             else:
                 k = int(i["args"][0])
                 arg = ins["args"][k] if k < len(ins["args"]) else None
