@@ -88,8 +88,8 @@ def _ln_bwd(eps, residuals, g):
     d_normed = g32 * scale.astype(jnp.float32)
     d_x = rstd * (d_normed - jnp.mean(d_normed, axis=-1, keepdims=True)
                   - normed * jnp.mean(d_normed * normed, axis=-1, keepdims=True))
-    return (d_x.astype(x.dtype), _sum_to(g32 * normed, jnp.shape(scale)).astype(jnp.result_type(scale)),
-            _sum_to(g32, jnp.shape(bias)).astype(jnp.result_type(bias)))
+    return (d_x.astype(x.dtype), _sum_to(g32 * normed, scale.shape).astype(scale.dtype),
+            _sum_to(g32, bias.shape).astype(bias.dtype))
 
 
 _layer_norm.defvjp(_ln_fwd, _ln_bwd)
