@@ -117,7 +117,7 @@ def vision_rules(vision_tp: int, mesh) -> Rules:
     else:
         tp, data = tensor_axes(mesh), outer
     table = {"vit_embed": None, "vit_heads": tp, "vit_mlp": tp, "vit_layers": None, "patch": None,
-             "patches": None, "proj_mlp": None, "head_dim": None, "embed": None, "bytes": None,
+             "patches": None, "proj_mlp": tp, "head_dim": None, "embed": None, "bytes": None,
              "film_out": None}
     return Rules(table, ("vit_embed", "embed"), data)
 

@@ -372,6 +372,21 @@ def image_tokens(vision: VisionConfig) -> int:
     return vision.cameras * patches_per_image(vision)
 
 
+def image_split_ways(config: Config) -> int:
+    """Slices a VLA's encoder splits each dp shard's images into: every device of the shard outside its
+    vision tp group encodes its own (jaxpar.parallel.vision)."""
+    return config.mesh.size // (config.mesh.dp * config.mesh.cp * config.vision.tp)
+
+
+def sums_own_images(config: Config) -> bool:
+    """Whether a VLA's first input sums each rank's own images' tokens (jaxpar.models.vla.llm_inputs_summed)
+    where an all-gather would first give every rank every image's: with a pipeline the first input is a
+    sum over pp x tp anyway (its vocabulary split), which the encoder's slices (over pp and tp) lie in;
+    not under context parallelism (a cp rank's chunks are not one slice of the sequence)."""
+    return (config.model.kind == "vla" and config.mesh.pp > 1 and config.mesh.cp == 1
+            and image_split_ways(config) > 1)
+
+
 def vla_sequence_layout(config: Config) -> tuple[int, int, int]:
     """(image tokens, prefix length = image + instruction tokens, LLM sequence length) of a VLA."""
     n_image = image_tokens(config.vision)

@@ -184,9 +184,10 @@ class Collectives:
         if not self.sequence_axis:
             return self.tp_sum(x_BxSxD)
         rest = tuple(a for a in _as_tuple(self.tp_axis) if a not in _as_tuple(self.sequence_axis))
-        if rest:  # e.g. the pipeline's (pp, tp) vocabulary split: the pp part stays an all-reduce
-            x_BxSxD = jax.lax.psum(x_BxSxD, rest)
-        return jax.lax.psum_scatter(x_BxSxD, self.sequence_axis, scatter_dimension=1, tiled=True)
+        x_BxSxD = jax.lax.psum_scatter(x_BxSxD, self.sequence_axis, scatter_dimension=1, tiled=True)
+        # e.g. the pipeline's (pp, tp) vocabulary split: the pp part an all-reduce of the shard, after the
+        # scatter (1/tp of the bytes across nodes that the whole sequence's all-reduce moved)
+        return jax.lax.psum(x_BxSxD, rest) if rest else x_BxSxD
 
     def enter_tensor_parallel(self, x_BxSxD: jax.Array) -> jax.Array:
         """The input of a tensor-parallel block (or of the vocab-parallel head), Megatron's `f`.

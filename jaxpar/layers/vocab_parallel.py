@@ -19,9 +19,14 @@ def _local_ids(ids: jax.Array, local_vocab: int, coll: Collectives):
 def embed(table_VxD: jax.Array, ids_BxS: jax.Array, coll: Collectives) -> jax.Array:
     """Look up this rank's rows, zero the rest, sum over tp (with sequence parallelism each rank keeps
     its sequence shard of the sum)."""
+    return coll.row_parallel_sum(embed_partial(table_VxD, ids_BxS, coll))
+
+
+def embed_partial(table_VxD: jax.Array, ids_BxS: jax.Array, coll: Collectives) -> jax.Array:
+    """This rank's share of the embedding: its vocabulary shard's rows, zeros for the other ids (each
+    id is in exactly one shard, so the sum over tp is exact)."""
     local, in_shard = _local_ids(ids_BxS, table_VxD.shape[0], coll)
-    x_BxSxD = jnp.take(table_VxD, local, axis=0) * in_shard[..., None].astype(table_VxD.dtype)
-    return coll.row_parallel_sum(x_BxSxD)
+    return jnp.take(table_VxD, local, axis=0) * in_shard[..., None].astype(table_VxD.dtype)
 
 
 def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array, coll: Collectives) -> jax.Array:

@@ -213,7 +213,7 @@ def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll:
     [B, cameras x patches, llm_width] in the params' dtype."""
     x = features(params, images_BxCamxHxWxC, cfg, coll, remat_policy, instruction_BxT)
     proj = coll.gather_weights(params["projector"], PROJECTOR_AXES)
-    tokens = jax.nn.gelu(x @ proj["w1"]) @ proj["w2"]
+    tokens = coll.tp_sum(jax.nn.gelu(x @ proj["w1"]) @ proj["w2"])  # Megatron's column / row pair over tp
     b = images_BxCamxHxWxC.shape[0]
     return tokens.reshape(b, -1, tokens.shape[-1])
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxpar.config import ActionConfig, Config
 from jaxpar.config import vla_sequence_layout as sequence_layout  # (derived from the config alone)
+from jaxpar.layers import vocab_parallel
 from jaxpar.layers.collectives import Collectives
 from jaxpar.models import llama, vit
 
@@ -147,6 +148,20 @@ def llm_inputs(params: dict, image_tokens_BxIxD: jax.Array, inputs_BxT: jax.Arra
     text_BxTxD = llama.embed_tokens(params, inputs_BxT, coll.without_sequence_parallel())
     whole_BxSxD = jnp.concatenate([image_tokens_BxIxD.astype(text_BxTxD.dtype), text_BxTxD], axis=1)
     return coll.sequence_shard(coll.context_slice(whole_BxSxD))
+
+
+def llm_inputs_summed(params: dict, image_part_BxIxD: jax.Array, inputs_BxT: jax.Array,
+                      coll: Collectives) -> jax.Array:
+    """`llm_inputs` where each rank holds only a share of the image tokens (`image_part`: its own images'
+    tokens, zeros elsewhere, as jaxpar.parallel.vision.VisionComponent.owned_rows gives): this rank's
+    image share and vocabulary share of the whole sequence, summed over the vocabulary split (`coll`'s
+    tp axes; with sequence parallelism a reduce-scatter that leaves each rank its shard). Every element
+    of the sum has one nonzero term, so it equals `llm_inputs` exactly, with no gather of the images
+    beforehand. No context parallelism (its chunks are not contiguous)."""
+    ids_BxT, table_VxD = coll.use_weights(inputs_BxT, params["embed"], llama.EMBED_AXES)
+    text_BxTxD = vocab_parallel.embed_partial(table_VxD, ids_BxT, coll)
+    whole_BxSxD = jnp.concatenate([image_part_BxIxD.astype(text_BxTxD.dtype), text_BxTxD], axis=1)
+    return coll.row_parallel_sum(whole_BxSxD)
 
 
 def prefix_len(config: Config) -> int:

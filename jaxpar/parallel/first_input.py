@@ -79,27 +79,41 @@ class FirstInputs:
         in_ticks = np.sort(self.sum_ticks[self.sum_ticks != IDLE])
         late = np.setdiff1d(np.arange(self.m), in_ticks)
 
-        def pull_back(d_first, i, dx0):
+        summing = self.pieces.extra_at is not None  # the cotangent of the whole `extra`, summed
+
+        def pull_back(acc, i, dx0):
             data_mb = jax.tree.map(lambda a: after(a, dx0), ctx["data_at"](i))
-            _, pullback = jax.vjp(lambda f, e: self.pieces.first_input(f, e, data_mb), ctx["first"], ctx["extra_at"](i))
+            if summing:
+                read = self.pieces.extra_at
+                _, pullback = jax.vjp(lambda f, e: self.pieces.first_input(f, read(e, i), data_mb),
+                                      ctx["first"], ctx["extra"])
+            else:
+                _, pullback = jax.vjp(lambda f, e: self.pieces.first_input(f, e, data_mb),
+                                      ctx["first"], ctx["extra_at"](i))
             grad, d_extra = pullback(dx0)
-            return self._add(d_first, grad), (None if d_extra is None else d_extra.astype(jnp.float32))
+            d_extra = None if d_extra is None else d_extra.astype(jnp.float32)
+            d_first, d_sum = acc
+            if summing:
+                return (self._add(d_first, grad), d_sum + d_extra), None
+            return (self._add(d_first, grad), d_sum), d_extra
 
-        def summed_here(d_first, i):
+        def summed_here(acc, i):
             dx0 = jax.lax.psum(jnp.where(stage == 0, inputs[i], jnp.zeros_like(inputs[i])), PP)
-            return pull_back(d_first, i, dx0)
+            return pull_back(acc, i, dx0)
 
-        d_first = self._zeros_f32(ctx["first"])
+        acc = (self._zeros_f32(ctx["first"]), self._zeros_f32(ctx["extra"]) if summing else None)
         if not len(in_ticks):
-            return jax.lax.scan(summed_here, d_first, jnp.arange(self.m))
-        d_first, d_early = jax.lax.scan(lambda d, i: pull_back(d, i, summed[i]), d_first, jnp.asarray(in_ticks))
-        inputs = after(inputs, d_first)  # the late sums after the early backward's work (XLA:CPU)
-        d_first, d_late = jax.lax.scan(summed_here, d_first, jnp.asarray(late))
+            (d_first, d_sum), d_extra = jax.lax.scan(summed_here, acc, jnp.arange(self.m))
+            return d_first, d_sum if summing else d_extra
+        acc, d_early = jax.lax.scan(lambda a, i: pull_back(a, i, summed[i]), acc, jnp.asarray(in_ticks))
+        inputs = after(inputs, acc)  # the late sums after the early backward's work (XLA:CPU)
+        (d_first, d_sum), d_late = jax.lax.scan(summed_here, acc, jnp.asarray(late))
+        if summing:
+            return d_first, d_sum
         if d_early is None:
             return d_first, None
         order = np.argsort(np.concatenate([in_ticks, late]))  # back to microbatch order
         return d_first, jnp.concatenate([d_early, d_late])[order]
-
 
 def varies_over(x, axis: str) -> bool:
     return axis in varying_of(jax.typeof(x))

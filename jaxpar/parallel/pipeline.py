@@ -81,12 +81,16 @@ class StagePieces:
     head_input(y) -> y': a static slice of y, the only part head_loss reads (head_loss(head_input(y))
         == head_loss(y)), e.g. a VLA's action positions; the last stage delivers only it to the head,
         and its cotangent comes back as small. None: all of y.
+    extra_at(extra, i) -> extra_mb: microbatch i's `extra` for first_input, read from the whole `extra`
+        (a VLA's own images, which first_input sums over the stages itself); the cotangent of `extra`
+        is then summed over the microbatches. None: `extra` is [m, ...] and extra_mb is extra[i].
     """
 
     first_input: Callable
     body: Callable
     head_loss: Callable
     head_input: Callable | None = None
+    extra_at: Callable | None = None
 
 
 def _pcast(tree, axes):
@@ -190,7 +194,24 @@ class Pipeline(FirstInputs):
         y, acts = ctx["stash"].forward(self._chunk(ctx["layers"], chunk), x_in)
         slot = jnp.where(mb >= 0, slot, self.table.stash_slots)  # an idle slot writes the spare entry
         stash = [jax.lax.dynamic_update_index_in_dim(buf, a, slot, 0) for buf, a in zip(carry["stash"], acts)]
-        return y, {**carry, "stash": stash}
+        return y, {**carry, "stash": stash}, acts
+
+    def _entries_before_forward(self, carry, row):
+        """(carry, the stash entries this tick's B slot reads, taken before F overwrites the stash): in a
+        tick with both, the last virtual stage's B reads the entry its F writes in the same tick. Read
+        after that in-place write, XLA copies the whole stash buffer first (vla70b: 393 MB per buffer,
+        twice per tick); read before it (F's input waits for the reads: an optimization barrier), B takes
+        F's fresh entry where the slots match (`_fresh_or_stashed`) and the write stays in place."""
+        slot = jnp.maximum(row["Bs"][jax.lax.axis_index(PP)], 0)
+        entries, received = jax.lax.optimization_barrier(([buf[slot] for buf in carry["stash"]], carry["recv_fwd"]))
+        return {**carry, "recv_fwd": received}, entries
+
+    @staticmethod
+    def _fresh_or_stashed(row, fresh, stashed):
+        """B's residuals: those F just computed when B reads the slot F wrote in this tick, else `stashed`."""
+        stage = jax.lax.axis_index(PP)
+        same = (row["Bs"][stage] == row["Fs"][stage]) & (row["F"][stage] >= 0)
+        return [jnp.where(same, f, s) for f, s in zip(fresh, stashed)]
 
     def _loss_slot(self, ctx, carry, y, row):
         """L: loss of the microbatch the last virtual stage finished, and its cotangent on every stage."""
@@ -205,7 +226,7 @@ class Pipeline(FirstInputs):
         grads = {**carry["grads"], "head": self._add(carry["grads"]["head"], d_head)}
         return dy, {**carry, "grads": grads, "loss": carry["loss"] + weight * loss}
 
-    def _backward_slot(self, ctx, carry, row, dy_last, after_forward):
+    def _backward_slot(self, ctx, carry, row, dy_last, after_forward, acts=None):
         """B: the chunk's backward from its stashed residuals; stage 0's input gradient of chunk 0 is kept
         for the first input's backward after the ticks (over that microbatch's spent first input)."""
         stage = jax.lax.axis_index(PP)
@@ -214,7 +235,7 @@ class Pipeline(FirstInputs):
         cot = jnp.where(ends, dy_last, carry["recv_bwd"]) * (mb >= 0).astype(dy_last.dtype)
         if after_forward is not None:  # one collective order on every device (XLA:CPU)
             cot = after(cot, after_forward)
-        acts = [buf[slot] for buf in carry["stash"]]
+        acts = [buf[slot] for buf in carry["stash"]] if acts is None else acts
         if self.split_backward:  # zb: dx, the small weights' gradients and every linear's output gradient,
             d_chunk, dx, dy = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)  # kept for W
             write = jnp.where(mb >= 0, slot, self.table.stash_slots)
@@ -250,20 +271,23 @@ class Pipeline(FirstInputs):
         act_shape, act_dtype = ctx["act"]
 
         def tick(carry, row):
-            y = dx = None
+            y = dx = stashed = None
             if "G" in kinds:  # first: its psum reads only the carry, so the tick's slots can overlap it
                 with jax.named_scope(SLOT_SCOPES["G"]):
                     carry = self._sum_slot(carry, row)
+            if "F" in kinds and "B" in kinds and not self.split_backward:
+                carry, stashed = self._entries_before_forward(carry, row)
             if "F" in kinds:
                 with jax.named_scope(SLOT_SCOPES["F"]):
-                    y, carry = self._forward_slot(ctx, carry, row)
+                    y, carry, fresh = self._forward_slot(ctx, carry, row)
             dy = jnp.zeros(act_shape, act_dtype)
             if "L" in kinds:
                 with jax.named_scope(SLOT_SCOPES["L"]):
                     dy, carry = self._loss_slot(ctx, carry, y, row)
             if "B" in kinds:
                 with jax.named_scope(SLOT_SCOPES["B"]):
-                    dx, carry = self._backward_slot(ctx, carry, row, dy, y)
+                    acts = None if stashed is None else self._fresh_or_stashed(row, fresh, stashed)
+                    dx, carry = self._backward_slot(ctx, carry, row, dy, y, acts)
             # Pin one order of the two sends on every device: after this tick's compute (XLA:CPU).
             if y is not None:
                 carry = {**carry, "recv_fwd": jax.lax.ppermute(y if dx is None else after(y, dx), PP, self.send_next)}
@@ -286,17 +310,19 @@ class Pipeline(FirstInputs):
         and the stage activation's zeros (typed like a received activation)."""
         first, head = _to_pp_varying(params["first"]), _to_pp_varying(params["head"])
         data_at = lambda i: jax.tree.map(lambda a: a[i], micro)  # noqa: E731
-        extra_at = (lambda i: None) if extra is None else (lambda i: extra[i])  # noqa: E731
+        read = self.pieces.extra_at or (lambda e, i: e[i])
+        extra_at = (lambda i: None) if extra is None else (lambda i: read(extra, i))  # noqa: E731
         shape = jax.eval_shape(lambda: self.pieces.first_input(first, extra_at(0), data_at(0)))
         x_zeros = _pcast(jnp.zeros(shape.shape, shape.dtype), self.act_varying)
         return {"first": first, "head": head, "layers": params["layers"], "data_at": data_at,
-                "extra_at": extra_at, "act": (shape.shape, shape.dtype), "x0": x_zeros}
+                "extra_at": extra_at, "extra": extra, "act": (shape.shape, shape.dtype), "x0": x_zeros}
 
     def loss_and_grads(self, params, micro, extra=None):
         """(loss, grads {"first", "layers", "head"}, cotangent of `extra` or None).
 
         params: {"first", "layers", "head"} (this device's shards); micro: data with a leading
-        microbatch dim [m, ...]; extra: differentiable first-stage inputs [m, ...] (VLA image tokens).
+        microbatch dim [m, ...]; extra: differentiable first-stage inputs [m, ...] (VLA image tokens), or
+        what pieces.extra_at reads them from (its cotangent then summed over microbatches).
         """
         if self.table.kind == "gpipe":
             return self._gpipe(params, micro, extra)

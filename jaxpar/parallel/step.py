@@ -37,7 +37,7 @@ import optax
 import jax.experimental.compute_on as compute_on_api
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.config import Config, carries_instruction_bytes, image_tokens, nan_guard_for
+from jaxpar.config import Config, carries_instruction_bytes, image_tokens, nan_guard_for, sums_own_images
 from jaxpar.errors import ConfigError
 from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
@@ -304,7 +304,8 @@ class StepBuilder:
         image_tokens = vision_vjp = None
         if self.vision is not None:
             image_tokens, vision_vjp = self.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
-                                                           vla.instruction_ids(batch, self.config))
+                                                           vla.instruction_ids(batch, self.config),
+                                                           gather=not self.sums_own_images)
         if image_tokens is not None:  # (XLA:CPU) the LLM's collectives after the encoder's
             batch = after(batch, image_tokens)
             if self.context_ways > 1:  # each cp rank's image cotangent is its own tokens' share: summed below
@@ -369,6 +370,13 @@ class StepBuilder:
             (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), rest)
         return loss, grads, None
 
+    @property
+    def sums_own_images(self) -> bool:
+        """A pipelined VLA whose first input sums each rank's own images' tokens (jaxpar.config.sums_own_images)
+        where an all-gather would first copy every image's tokens to every rank (vla70b: 235 MB across
+        nodes per step, before the first tick)."""
+        return sums_own_images(self.config)
+
     def head_collectives(self, coll: Collectives) -> Collectives:
         """With a pipeline the vocabulary (embedding, LM head, loss) is split over pp x tp: every stage
         computes its share of the first input and of the head for the same microbatch."""
@@ -384,7 +392,18 @@ class StepBuilder:
         def first_input(first, image_tokens, data):
             if image_tokens is None:
                 return llama.embed_tokens(first, data["inputs"], head_coll)
+            if self.sums_own_images:  # image_tokens: this rank's share (extra_at)
+                return vla.llm_inputs_summed(first, image_tokens, data["inputs"], head_coll)
             return vla.llm_inputs(first, image_tokens, data["inputs"], head_coll)
+
+        extra_at = None
+        if self.sums_own_images:  # microbatch i's rows of the dp shard, from this rank's own images
+            ways, m = int(np.prod(self.vision.split_sizes)), self.config.pipeline.microbatches
+            reduce_axes = _axes_of(head_coll.tp_axis)
+
+            def extra_at(own_tokens, i):
+                rows = own_tokens.shape[0] * ways // m  # a microbatch's rows of the dp shard's batch
+                return self.vision.owned_rows(own_tokens, i * rows + jnp.arange(rows), reduce_axes)
 
         def body(layers, x):
             return llama.run_layers(x, layers, cfg, coll, policy, prefix_len)
@@ -395,7 +414,7 @@ class StepBuilder:
             return llama.head_loss_sum(head, y, data["targets"], data["mask"], cfg, head_coll, last) / token_count
 
         # the head reads only the last `last` positions of each rank's y: the pipeline delivers only those
-        return StagePieces(first_input, body, head_loss, None if last is None else (lambda y: y[:, -last:]))
+        return StagePieces(first_input, body, head_loss, None if last is None else (lambda y: y[:, -last:]), extra_at)
 
     def pipeline(self, coll: Collectives, policy, token_count=1.0, schedule: str | None = None) -> Pipeline:
         pipe = self.config.pipeline
@@ -421,7 +440,9 @@ class StepBuilder:
         """The LLM's weights as the pipeline's pieces, and the batch (and image tokens) by microbatch."""
         m = self.config.pipeline.microbatches
         micro = {k: v.reshape(m, -1, *v.shape[1:]) for k, v in batch.items()}
-        extra = None if image_tokens is None else image_tokens.reshape(m, -1, *image_tokens.shape[1:])
+        extra = image_tokens  # None, or this rank's own images' tokens (sums_own_images)
+        if image_tokens is not None and not self.sums_own_images:
+            extra = image_tokens.reshape(m, -1, *image_tokens.shape[1:])
         return self.pipeline_parts(params), micro, extra
 
     def _pipelined_loss_and_grads(self, params, batch, image_tokens, token_count, coll, policy):
@@ -429,7 +450,7 @@ class StepBuilder:
                                                    image_tokens)
         loss, grads, d_extra = self.pipeline(coll, policy, token_count).loss_and_grads(split, micro, extra)
         grads = {**grads["first"], "layers": grads["layers"], **grads["head"]}
-        return loss, grads, None if d_extra is None else d_extra.reshape(image_tokens.shape)
+        return loss, grads, None if d_extra is None else d_extra.reshape(image_tokens.shape)  # (own: same shape)
 
     def _dp_sum(self, x):
         """Sum over the data axes (dp, and cp: a loss or count of other tokens) of each device's own

@@ -53,9 +53,11 @@ class VisionComponent:
             index = index * size + jax.lax.axis_index(axis)
         return index
 
-    def forward(self, params, images, instruction):
+    def forward(self, params, images, instruction, gather: bool = True):
         """(image tokens [B_dp, I, D] for this dp shard, the same on every pp / tp rank; their vjp).
-        `instruction` [B_dp, T] (the bytes) is only read with vision.film."""
+        `instruction` [B_dp, T] (the bytes) is only read with vision.film. `gather=False`: this rank's
+        own slice [B_dp / split ways, I, D] (rows split_index() * that onwards), for a first input that
+        sums each rank's images into the sequence itself (`owned_rows`)."""
         ways = math.prod(self.split_sizes)
         chunk = images.shape[0] // ways
         start = self._split_index() * chunk
@@ -66,7 +68,7 @@ class VisionComponent:
 
         def encode(p):
             tokens = vit.encode(p, mine, self.cfg, self.coll, self.policy, my_instruction)
-            if not self.split_axes:
+            if not self.split_axes or not gather:
                 return tokens
             # every split rank's slice, in _split_index's order, typed the same on each rank ("invarying"):
             # an all-gather, half the bytes of summing zero-padded copies, and its transpose is the slice
@@ -74,6 +76,19 @@ class VisionComponent:
             return jax.lax.all_gather(tokens, self.split_axes, axis=0, tiled=True, to="invarying")
 
         return jax.vjp(encode, params)
+
+    def owned_rows(self, tokens, rows, reduce_axes: tuple[str, ...]):
+        """This rank's contribution to the image tokens of `rows` (indices into the dp shard's batch), from
+        its own slice `tokens` (forward(gather=False)): the rows it encoded, zeros elsewhere, and zeros on
+        every rank but the first along the axes of `reduce_axes` its images do not split (where the
+        encoder's tokens are replicated). Summed over `reduce_axes`, each row is its encoder's tokens."""
+        chunk = tokens.shape[0]
+        owned = (rows // chunk == self._split_index())
+        for axis in reduce_axes:
+            if axis not in self.split_axes:
+                owned = owned & (jax.lax.axis_index(axis) == 0)
+        picked = jnp.take(tokens, rows % chunk, axis=0)
+        return jnp.where(owned[:, None, None], picked, jnp.zeros_like(picked))
 
     def reduce_grads(self, grads, dtype):
         """Sum (ZeRO 0) or reduce-scatter into the optimizer's shard (ZeRO 1-2) the encoder's gradients

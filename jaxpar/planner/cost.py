@@ -14,8 +14,9 @@ residuals (issue 14):
 - LM head: its vocabulary is split over pp x tp, so each device runs 1/(pp tp) of the head matmul
   (forward, input and weight gradient) for every microbatch of its dp shard; no bubble factor.
   The embedding is a gather: no matmul.
-- VLA encoder + projector: data-parallel over all devices, once per step; patch embedding and
-  projector are replicated inside a vision tp group; the patch embedding needs no input gradient.
+- VLA encoder + projector: data-parallel over all devices, once per step; the patch embedding is
+  replicated inside a vision tp group and needs no input gradient; the projector is a column / row
+  pair over it.
 Compute runs at `matmul_efficiency` x peak. Communication is ring collectives at link bandwidth, not
 overlapped with compute (jaxpar issues them in line; XLA may overlap some, so this errs slow). The
 bubble's seconds are the idle slots' share of the layers' executed FLOPs (= the table's
@@ -108,7 +109,7 @@ def vision_flops(config: Config) -> float:
     fwd = layer_forward(vit_block(config), images, n)
     blocks = v.depth * (3 * fwd["total"] + recompute(fwd, v.remat.policy, output_needed=v.film))
     patch = 2 * 2.0 * images * n * v.patch_size ** 2 * v.channels * v.width  # forward + weight gradient
-    projector = 3 * 2.0 * images * n * (v.width * v.projector_dim + v.projector_dim * d)
+    projector = 3 * 2.0 * images * n * (v.width * v.projector_dim + v.projector_dim * d) / v.tp  # column / row
     film = 0.0
     if v.film:  # the mean byte embedding (its gradient is an outer product: no matmul), the projection
         examples = config.train.global_batch_size // vision_data_ways(config)

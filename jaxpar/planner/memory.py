@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxpar.config import Config, image_tokens, nan_guard_for, patches_per_image
+from jaxpar.config import Config, image_split_ways, image_tokens, nan_guard_for, patches_per_image, sums_own_images
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel.schedule import pipeline_table
 from jaxpar.parallel.zero import ZeroPlan
@@ -85,7 +85,7 @@ def local_params(config: Config) -> dict[str, int]:
            "llm_head": _local_count({k: shapes[k] for k in llama.HEAD_AXES}, axes, llm_div),  # of llm_rest
            "vision": 0}
     if config.model.kind == "vla":
-        vdiv = {"vit_heads": config.vision.tp, "vit_mlp": config.vision.tp}
+        vdiv = {"vit_heads": config.vision.tp, "vit_mlp": config.vision.tp, "proj_mlp": config.vision.tp}
         out["vision"] = _local_count(vit.param_shapes(config.vision, config.model.d_model), vit.param_axes(config.vision), vdiv)
     return out
 
@@ -355,6 +355,8 @@ def _vision_activations(config: Config, c: int, target: str) -> dict:
     if target == "cpu":
         dev += host
     tokens = config.train.global_batch_size // config.mesh.dp * image_tokens(v) * config.model.d_model
+    if sums_own_images(config):  # a rank holds its own images' tokens only
+        tokens //= image_split_ways(config)
     return {"vision_saved": v.depth * dev, "vision_working_set": layer_working_set(v.remat.policy, blk, images, n, c),
             "image_tokens": (c + 4) * tokens}  # the assembled tokens and their fp32 cotangent accumulator
 
