@@ -6,14 +6,17 @@ GPU program says: cuDNN attention calls, async collectives, the flag bundle acce
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-from jaxpar.compiler import gpu_aot
+from jaxpar.compiler import gpu_aot, hlo_collectives
 from jaxpar.config import load_config
+from jaxpar.parallel import schedule
 from jaxpar.planner import offload
 from jaxpar.compiler.xla_flags import GPU_BUNDLE
 
@@ -263,6 +266,32 @@ def test_vla70b_on_64_a100s_compiles_in_under_3_minutes(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert report["devices"] == 64 and report["target"] == "a100-80gb" and report["kernels"]["attention"] == "cudnn"
     assert seconds < 180, seconds
+
+
+@pytest.mark.slow  # one GPU compile of a slim vla70b (~1 minute)
+def test_a_tick_with_forward_and_backward_writes_the_stash_in_place(tmp_path):
+    """vla70b's layout (pp 8, 10 virtual stages, m 8: 8 ticks run F, L and B) with small widths. The last
+    virtual stage's B reads the stash entry its F writes in the same tick; read after that in-place
+    write, XLA copied each residual's whole stash buffer (81 entries) in every such tick (4 copies in
+    this program before Pipeline._entries_before_forward). No copy of a stash buffer may be left in a
+    loop body."""
+    slim = ["model.d_model=1024", "model.d_ff=2048", "model.n_heads=8", "model.n_kv_heads=8", "vision.width=256",
+            "vision.depth=2", "vision.n_heads=8", "vision.mlp_dim=512", "vision.projector_dim=512"]
+    workdir = tmp_path / "slim"
+    done = subprocess.run([sys.executable, "scripts/gpu_kernel_table.py", "compile", "--config", "configs/vla70b.py",
+                           "--dry_run", "--gpu", "a100-80gb", "--gpus_per_node", "8", "--workdir", str(workdir),
+                           *(f"--config.{o}" for o in slim)], capture_output=True, text=True, timeout=600,
+                          cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = (workdir / "step.hlo.txt").read_text()
+    config = load_config("vla70b")
+    entries = schedule.build("1f1b", 8, config.pipeline.microbatches, config.pipeline.virtual_stages).stash_slots + 1
+    comps, _ = hlo_collectives.parse_module(text)
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    assert bodies
+    copies = [ins["name"] for name in bodies for ins in comps.get(name, [])
+              if ins["op"] == "copy" and re.match(rf"\w+\[{entries},", ins["shape"])]
+    assert copies == []
 
 
 # The planner against the GPU compiler (issue 27 item 7), as bounds: tests/test_plan_compiled.py.

@@ -200,11 +200,14 @@ class Pipeline(FirstInputs):
         """(carry, the stash entries this tick's B slot reads, taken before F overwrites the stash): in a
         tick with both, the last virtual stage's B reads the entry its F writes in the same tick. Read
         after that in-place write, XLA copies the whole stash buffer first (vla70b: 393 MB per buffer,
-        twice per tick); read before it (F's input waits for the reads: an optimization barrier), B takes
-        F's fresh entry where the slots match (`_fresh_or_stashed`) and the write stays in place."""
+        twice per tick); read before it (F writes into each buffer only after its entry's read: an
+        optimization barrier), B takes F's fresh entry where the slots match (`_fresh_or_stashed`) and
+        the write stays in place."""
         slot = jnp.maximum(row["Bs"][jax.lax.axis_index(PP)], 0)
-        entries, received = jax.lax.optimization_barrier(([buf[slot] for buf in carry["stash"]], carry["recv_fwd"]))
-        return {**carry, "recv_fwd": received}, entries
+        # one barrier per buffer (it types its outputs alike: one over all would make every leaf as varying
+        # as the most varying): F writes into the barrier's buffer, so after the entry's read
+        pairs = [jax.lax.optimization_barrier((buf[slot], buf)) for buf in carry["stash"]]
+        return {**carry, "stash": [buf for _, buf in pairs]}, [entry for entry, _ in pairs]
 
     @staticmethod
     def _fresh_or_stashed(row, fresh, stashed):
