@@ -194,6 +194,9 @@ def test_vla_matches_single_device(mesh, schedule, vision_tp):
     jax.tree_util.tree_map_with_path(check, grads, ref_grads)
     wq = state.params["vit"]["blocks"]["wq"]  # [depth, width, heads, head_dim]
     assert {s.data.shape[2] for s in wq.addressable_shards} == {wq.shape[2] // vision_tp}
+    w1, w2 = state.params["projector"]["w1"], state.params["projector"]["w2"]  # a column / row pair over vision tp
+    assert {s.data.shape for s in w1.addressable_shards} == {(w1.shape[0], w1.shape[1] // vision_tp)}
+    assert {s.data.shape for s in w2.addressable_shards} == {(w2.shape[0] // vision_tp, w2.shape[1])}
     mu = state.opt_state[1][0].mu["vit"]["blocks"]["w_in"].addressable_shards[0].data  # [depth, width, mlp]
     data_ways = 8 // vision_tp  # vision ZeRO-2 shards the encoder's optimizer state over its data axes
     assert mu.shape[1] == BASE.vision.width // data_ways

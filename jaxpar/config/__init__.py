@@ -9,7 +9,8 @@ from jaxpar.config.schema import (ATTENTION_KINDS, NAN_GUARDS, ONE_FOR_ALL, PIPE
                                   DataConfig, DebugConfig, EvalConfig, HardwareConfig, InitConfig, MeshConfig,
                                   ModelConfig, OffloadConfig, PipelineConfig, ProfileConfig, RematConfig,
                                   TrainConfig, VisionConfig, VisionZeroConfig, ZeroConfig, carries_instruction_bytes,
-                                  coerce, from_dict, image_split_ways, image_tokens, instruction_tokenizer_file, load_config_dict,
+                                  coerce, from_dict, image_split_ways, image_tokens, instruction_tokenizer_file,
+                                  load_config_dict,
                                   nan_guard_for, parse_value, patches_per_image, read_config, resolve_config_path, schema_type,
                                   set_by_path, sums_own_images, to_dict, vla_sequence_layout)
 from jaxpar.errors import ConfigError

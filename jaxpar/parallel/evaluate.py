@@ -52,7 +52,7 @@ class Evaluator:
         if b.vision is not None:
             image_tokens, _ = b.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
                                                vla.instruction_ids(batch, self.config),
-                                               gather=not (b.sums_own_images and self.mesh.shape["pp"] > 1))
+                                               gather=not b.sums_own_images)
         llm = {k: v for k, v in params.items() if k not in VISION_KEYS}
         if b.dp_axis and not b.zero.gathers_weights:  # typed as in training (see StepBuilder)
             llm = jax.lax.pcast(llm, b.data_axes, to="varying")
