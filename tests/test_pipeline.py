@@ -14,6 +14,7 @@ from conftest import TINY_MODEL, builder_for, make_config
 from jaxpar.compiler import hlo_collectives
 from jaxpar.config import ModelConfig, PipelineConfig, RematConfig
 from jaxpar.compiler.dry_run import dry_run
+from jaxpar.parallel.pipeline import Pipeline
 from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
 
 FOUR_LAYERS = dataclasses.replace(TINY_MODEL, n_layers=4)
@@ -65,6 +66,16 @@ FAST = [((2, 2, 2), "1f1b", 1, "none"), ((1, 2, 4), "1f1b", 1, "full"), ((1, 2, 
 @pytest.mark.parametrize("layout,schedule,virtual,remat", FAST)
 def test_pipeline_matches_single_device(layout, schedule, virtual, remat):
     assert_matches_single_device(pipeline_config(layout, schedule, MICROBATCHES[layout], remat, virtual))
+
+
+@pytest.mark.parametrize("layout,virtual,remat", [((1, 2, 4), 2, "selective"),
+                                                  pytest.param((2, 2, 2), 1, "none", marks=pytest.mark.slow)])
+def test_reading_backward_residuals_before_the_forward_writes_matches_single_device(monkeypatch, layout, virtual,
+                                                                                     remat):
+    """GPU programs read a tick's B residuals before its F writes the stash, B taking F's fresh ones where
+    the slots match (Pipeline._entries_before_forward); XLA:CPU does not by default. Forced on here."""
+    monkeypatch.setattr(Pipeline, "read_stash_early", True)
+    assert_matches_single_device(pipeline_config(layout, "1f1b", MICROBATCHES[layout], remat, virtual))
 
 
 @pytest.mark.slow
