@@ -58,7 +58,7 @@ from jaxpar.layers.order import (after, after_on_every_backend, backward_ordered
                                  ordered_both_ways, ordering_on)
 from jaxpar.parallel.first_input import FirstInputs, varies_over
 from jaxpar.parallel.layer_order import layer_order, reorder_layers  # noqa: F401 (their home was here)
-from jaxpar.parallel.residuals import InputStash, ResidualStash, zeros_typed
+from jaxpar.parallel.residuals import InputStash, ResidualStash, read_before_write, zeros_typed
 from jaxpar.parallel.split_backward import SplitBackward, SplitStash
 from jaxpar.parallel.schedule import IDLE, Schedule
 
@@ -197,17 +197,12 @@ class Pipeline(FirstInputs):
         return y, {**carry, "stash": stash}, acts
 
     def _entries_before_forward(self, carry, row):
-        """(carry, the stash entries this tick's B slot reads, taken before F overwrites the stash): in a
-        tick with both, the last virtual stage's B reads the entry its F writes in the same tick. Read
-        after that in-place write, XLA copies the whole stash buffer first (vla70b: 393 MB per buffer,
-        twice per tick); read before it (F writes into each buffer only after its entry's read: an
-        optimization barrier), B takes F's fresh entry where the slots match (`_fresh_or_stashed`) and
-        the write stays in place."""
-        slot = jnp.maximum(row["Bs"][jax.lax.axis_index(PP)], 0)
-        # one barrier per buffer (it types its outputs alike: one over all would make every leaf as varying
-        # as the most varying): F writes into the barrier's buffer, so after the entry's read
-        pairs = [jax.lax.optimization_barrier((buf[slot], buf)) for buf in carry["stash"]]
-        return {**carry, "stash": [buf for _, buf in pairs]}, [entry for entry, _ in pairs]
+        """(carry, the stash entries this tick's B slot reads, read before F writes the stash): in a tick with
+        both, the last virtual stage's B reads the entry its F writes in the same tick; read after that
+        in-place write, XLA copies the whole stash buffer first (vla70b: 393 MB per buffer, twice per tick).
+        B then takes F's fresh entry where the slots match (`_fresh_or_stashed`)."""
+        stash, entries = read_before_write(carry["stash"], jnp.maximum(row["Bs"][jax.lax.axis_index(PP)], 0))
+        return {**carry, "stash": stash}, entries
 
     # None: on GPUs only. XLA:CPU's program grows instead (+110 MB of 283 MB temporaries in test_pipeline's
     # 1F1B memory test: it copies the buffers for the early reads); tests set True to run it there.

@@ -69,6 +69,16 @@ def zeros_typed(aval):
     return jax.device_put(zeros, space) if space is not None and space != jax.typeof(zeros).memory_space else zeros
 
 
+def read_before_write(buffers: list, index) -> tuple[list, list]:
+    """(`buffers`, the same values, and their entries at `index`) such that whatever is written into a
+    returned buffer is written after its entry was read: XLA then need not copy a buffer to keep the old
+    entry for a reader it scheduled after an in-place write. One optimization barrier per buffer: a
+    barrier types its outputs alike, so one over all would make every entry as varying over the mesh
+    axes as the most varying buffer."""
+    pairs = [jax.lax.optimization_barrier((buf[index], buf)) for buf in buffers]
+    return [buf for _, buf in pairs], [entry for entry, _ in pairs]
+
+
 class ResidualStash:
     """Split `fn(params, x)`'s vjp into a forward that returns the activation residuals to keep and a
     backward that rebuilds the pullback from them, the current params and recomputed constants.
