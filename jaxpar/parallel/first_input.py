@@ -115,5 +115,6 @@ class FirstInputs:
         order = np.argsort(np.concatenate([in_ticks, late]))  # back to microbatch order
         return d_first, jnp.concatenate([d_early, d_late])[order]
 
+
 def varies_over(x, axis: str) -> bool:
     return axis in varying_of(jax.typeof(x))
