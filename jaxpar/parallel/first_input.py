@@ -80,13 +80,16 @@ class FirstInputs:
         late = np.setdiff1d(np.arange(self.m), in_ticks)
 
         summing = self.pieces.extra_at is not None  # the cotangent of the whole `extra`, summed
+        extra, spread = ctx["extra"], ()
+        if summing:  # pulled back as varying: one explicit sum after the scans (_spread_extra)
+            extra, spread = self._spread_extra(ctx["extra"])
 
         def pull_back(acc, i, dx0):
             data_mb = jax.tree.map(lambda a: after(a, dx0), ctx["data_at"](i))
             if summing:
                 read = self.pieces.extra_at
                 _, pullback = jax.vjp(lambda f, e: self.pieces.first_input(f, read(e, i), data_mb),
-                                      ctx["first"], ctx["extra"])
+                                      ctx["first"], extra)
             else:
                 _, pullback = jax.vjp(lambda f, e: self.pieces.first_input(f, e, data_mb),
                                       ctx["first"], ctx["extra_at"](i))
@@ -101,19 +104,39 @@ class FirstInputs:
             dx0 = jax.lax.psum(jnp.where(stage == 0, inputs[i], jnp.zeros_like(inputs[i])), PP)
             return pull_back(acc, i, dx0)
 
-        acc = (self._zeros_f32(ctx["first"]), self._zeros_f32(ctx["extra"]) if summing else None)
+        acc = (self._zeros_f32(ctx["first"]), self._zeros_f32(extra) if summing else None)
         if not len(in_ticks):
             (d_first, d_sum), d_extra = jax.lax.scan(summed_here, acc, jnp.arange(self.m))
-            return d_first, d_sum if summing else d_extra
+            return self._summed_over(d_first, d_sum, spread, extra.dtype) if summing else (d_first, d_extra)
         acc, d_early = jax.lax.scan(lambda a, i: pull_back(a, i, summed[i]), acc, jnp.asarray(in_ticks))
         inputs = after(inputs, acc)  # the late sums after the early backward's work (XLA:CPU)
         (d_first, d_sum), d_late = jax.lax.scan(summed_here, acc, jnp.asarray(late))
         if summing:
-            return d_first, d_sum
+            return self._summed_over(d_first, d_sum, spread, extra.dtype)
         if d_early is None:
             return d_first, None
         order = np.argsort(np.concatenate([in_ticks, late]))  # back to microbatch order
         return d_first, jnp.concatenate([d_early, d_late])[order]
+
+
+    def _spread_extra(self, extra):
+        """`extra` cast to varying over the axes its per-microbatch rows (extra_at) vary over and it does
+        not (the ranks that mask their share to zeros), and those axes. Pulled back through an invariant
+        `extra`, JAX sums each microbatch's cotangent over them inside the scan, and XLA moves an all-reduce
+        that only feeds an accumulator out of its loop, where nothing orders it against the embedding's dp
+        reduce-scatter (an XLA:CPU deadlock). Varying, the scans only accumulate: _summed_over sums once."""
+        rows = self.pieces.extra_at(extra, 0)  # traced for its type only (XLA drops it)
+        spread = tuple(a for a in varying_of(jax.typeof(rows)) if not varies_over(extra, a))
+        return (jax.lax.pcast(extra, spread, to="varying") if spread else extra), spread
+
+    @staticmethod
+    def _summed_over(d_first, d_sum, spread, dtype):
+        """The cotangent of `extra` summed over `spread` in `extra`'s dtype (each row is nonzero on one
+        rank of `spread` and in one microbatch: exact), before the first part's gradient reductions."""
+        d_sum = d_sum.astype(dtype)
+        if spread:
+            d_sum = jax.lax.psum(d_sum, spread)
+        return after(d_first, d_sum), d_sum
 
 
 def varies_over(x, axis: str) -> bool:
