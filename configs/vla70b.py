@@ -12,7 +12,7 @@ tokens (sequence 296; the seed's 32 gives 294), which adds 0.7% to the model FLO
 
 Why (GPU-compiled, no device: `--dry_run --gpu a100-80gb --gpus_per_node 8`, whose step time is a
 roofline walk of XLA's schedule with a matmul efficiency of 0.55 fitted on a 1B Llama on one H200):
-estimated 1.135 s/step, MFU 35.1%, compiled peak 23.83 GiB (2026-12-05, BENCHMARKS.md "vla70b: the projector
+estimated 1.133 s/step, MFU 35.2%, compiled peak 23.83 GiB (2026-12-05, BENCHMARKS.md "vla70b: the projector
 over tp, each rank's own images, the stash written in place"; the search below and the figures after this
 sentence are of the code before issue 46's changes). Then: 1.26 s/step, MFU 31.7%, compiled peak
 24.39 GiB with the NaN guard `auto` picks on GPUs, the
