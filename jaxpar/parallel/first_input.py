@@ -118,7 +118,6 @@ class FirstInputs:
         order = np.argsort(np.concatenate([in_ticks, late]))  # back to microbatch order
         return d_first, jnp.concatenate([d_early, d_late])[order]
 
-
     def _spread_extra(self, extra):
         """`extra` cast to varying over the axes its per-microbatch rows (extra_at) vary over and it does
         not (the ranks that mask their share to zeros), and those axes. Pulled back through an invariant
