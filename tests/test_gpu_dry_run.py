@@ -311,3 +311,30 @@ def test_the_select_nan_guard_updates_in_place_on_the_gpu(tmp_path):
         assert report["nan_guard"] == {"cond": "cond", "auto": "select"}[guard]
         peaks[guard] = report["per_device_bytes"]["peak"]
     assert peaks["auto"] < 0.9 * peaks["cond"], peaks
+
+
+FP8_PROBE = """
+import re, sys
+from jaxpar.compiler import gpu_aot
+gpu_aot.prepare_environment()
+import jax, jax.numpy as jnp
+device = gpu_aot.gpu_devices(gpu_aot.target(sys.argv[1]), 1, 8)[0]
+def scaled_fp8_dot(a, b, sa, sb):  # the quantize / dequantize pattern XLA rewrites into an FP8 GEMM
+    a8, b8 = (a / sa).astype(jnp.float8_e4m3fn), (b / sb).astype(jnp.float8_e4m3fn)
+    y = jnp.dot(a8.astype(jnp.bfloat16), b8.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return (y * (sa * sb)).astype(jnp.bfloat16)
+s = jax.sharding.SingleDeviceSharding(device)
+args = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for shape, dtype in
+        (((256, 512), jnp.bfloat16), ((512, 128), jnp.bfloat16), ((), jnp.float32), ((), jnp.float32))]
+print(sorted(set(re.findall(r'custom_call_target="([^"]+)"', jax.jit(scaled_fp8_dot).lower(*args).compile().as_text()))))
+"""
+
+
+@pytest.mark.parametrize("gpu, gemm", [("h100", "__cublas$lt$matmul$f8"), ("a100", "__cublas$lt$matmul")])
+def test_the_target_config_names_the_cuda_runtime_so_hopper_forms_fp8_gemms(gpu, gemm):
+    """Without `runtime_version` in the target config XLA's GPU compiler never forms an FP8 GEMM (issue
+    47): the scaled E4M3 dot stays a bf16 cuBLASLt matmul on H100 too. A100 has no FP8 tensor cores."""
+    assert "runtime_version { major: 12 minor: 9 patch: 0 }" in gpu_aot.target_config(gpu_aot.target("h100"), (12, 9))
+    done = subprocess.run([sys.executable, "-c", FP8_PROBE, gpu], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == repr([gemm])

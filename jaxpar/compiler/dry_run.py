@@ -200,7 +200,8 @@ def dry_run(config: Config, mesh, gpu: GpuTarget | None = None, planner: Callabl
         if planner is not None:
             nodes = len({getattr(d, "process_index", 0) for d in mesh.devices.flat})
             report["planner"] = planner(config, gpu.name, mesh.size // nodes)
-        report["notes"].append("GPU-compiled, no device: XLA's GPU compiler without autotuning (default GEMM "
+        report["notes"].append(f"GPU-compiled, no device: XLA's GPU compiler for CUDA {report['cuda_runtime']} "
+                               "without autotuning (default GEMM "
                                "tiles, cuBLAS GEMMs: Triton GEMM fusions off); memory is a close estimate")
     return report
 
@@ -215,12 +216,16 @@ def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
     cudnn = sum(fmha.values())
     backward = sum(n for target, n in fmha.items() if "Backward" in target)
     gemms = sum(n for target, n in calls.items() if target.startswith("__cublas$"))
+    fp8_gemms = sum(n for target, n in calls.items() if target.startswith("__cublas$") and target.endswith("$f8"))
     usable = int(hardware.get(gpu.name).usable_bytes)  # whole bytes, as the rest of the report
-    return {"target": gpu.name, "hbm_bytes": gpu.memory_bytes, "usable_bytes": usable,
+    from jaxpar.compiler.gpu_aot import cuda_version
+
+    return {"target": gpu.name, "cuda_runtime": "%d.%d" % cuda_version(), "hbm_bytes": gpu.memory_bytes,
+            "usable_bytes": usable,
             "fits": per_device["peak"] <= usable,
             "kernels": {"attention": "cudnn" if cudnn else "xla", "cudnn_attention_calls": cudnn,
                         "cudnn_attention_forward_calls": cudnn - backward, "cudnn_attention_backward_calls": backward,
-                        "gemm_calls": gemms}}
+                        "gemm_calls": gemms, "fp8_gemm_calls": fp8_gemms}}
 
 
 def schedule_fields(mesh, gpu: GpuTarget, text: str, model_flops_per_device: float) -> dict:
@@ -295,7 +300,8 @@ def gpu_text(report: dict) -> list[str]:
             f"NaN guard {report['nan_guard']})", *hint,
             f"kernels per step: attention {k['attention']} ({k['cudnn_attention_calls']} cuDNN fMHA calls: "
             f"{k['cudnn_attention_forward_calls']} forward, {k['cudnn_attention_backward_calls']} backward), "
-            f"{k['gemm_calls']} cuBLAS GEMM calls",
+            f"{k['gemm_calls']} cuBLAS GEMM calls"
+            + (f" ({k['fp8_gemm_calls']} of them FP8)" if k.get("fp8_gemm_calls") else ""),
             f"estimated step (XLA's schedule, no device): {est['step_s']:.4g} s, MFU {est['mfu']:.1%}; compute "
             f"{est['compute_s']:.4g} s, exposed communication {est['exposed_comm_s']:.4g} s{planned_step}",
             "collectives overlapped with compute in the schedule (exposed: compute waits / the transfers' own time):",

@@ -18,6 +18,10 @@ ptxas and libdevice, nvidia-cudnn-cu12 for cuDNN attention):
 - The target config below is written from each GPU's data (XLA keeps such files under
   xla/backends/gpu/target_config/specs/); jaxlib 0.10.2's parser rejects newer fields
   (collective_memory_granularity), so only the fields it knows are written.
+- The target config carries the CUDA runtime version of the toolkit that compiles (`cuda_version`: the
+  version of nvidia-cuda-nvcc-cu12, whose ptxas builds the kernels; 12.9 with `make gpu-aot` today).
+  Without a `runtime_version` XLA's GPU compiler assumes a runtime too old for cuBLASLt's FP8 GEMMs and
+  never rewrites an FP8 `dot_general` into `__cublas$lt$matmul$f8` (issue 47); other passes read it too.
 - The topology string is "<slices>x<hosts per slice>x<devices per host>"; one slice, `nodes` hosts
   of `gpus_per_node` GPUs, process-major device order as a multi-host launch sees it.
 """
@@ -84,9 +88,25 @@ def target(name: str) -> GpuTarget:
     return TARGETS[key]
 
 
-def target_config(gpu: GpuTarget) -> str:
-    """The GpuTargetConfigProto text for `gpu`: the device facts XLA's GPU compiler plans with."""
+def cuda_version() -> tuple[int, int]:
+    """(major, minor) of the CUDA toolkit the GPU compiler uses: nvidia-cuda-nvcc-cu12's version
+    ("12.9.86" -> (12, 9)); the package's third number is NVIDIA's build, not the runtime's patch."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("nvidia-cuda-nvcc-cu12")
+    except metadata.PackageNotFoundError:
+        raise ConfigError(f"--gpu needs XLA's GPU compiler, which is not installed (nvidia-cuda-nvcc-cu12): "
+                          f"{INSTALL}") from None
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def target_config(gpu: GpuTarget, cuda: tuple[int, int] | None = None) -> str:
+    """The GpuTargetConfigProto text for `gpu`: the device facts XLA's GPU compiler plans with, and the
+    CUDA runtime it compiles for (`cuda`, default: the installed toolkit's, `cuda_version`)."""
     major, minor = gpu.compute_capability
+    cuda_major, cuda_minor = cuda or cuda_version()
     extension = "ACCELERATED_FEATURES" if major >= 9 else "NONE"  # sm_90a: wgmma, TMA
     return f"""gpu_device_info {{
   threads_per_block_limit: 1024
@@ -110,6 +130,7 @@ def target_config(gpu: GpuTarget) -> str:
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 10 patch: 0 }}
+runtime_version {{ major: {cuda_major} minor: {cuda_minor} patch: 0 }}
 device_description_str: "{gpu.description}"
 """
 
