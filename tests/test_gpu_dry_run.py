@@ -326,15 +326,21 @@ def scaled_fp8_dot(a, b, sa, sb):  # the quantize / dequantize pattern XLA rewri
 s = jax.sharding.SingleDeviceSharding(device)
 args = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for shape, dtype in
         (((256, 512), jnp.bfloat16), ((512, 128), jnp.bfloat16), ((), jnp.float32), ((), jnp.float32))]
-print(sorted(set(re.findall(r'custom_call_target="([^"]+)"', jax.jit(scaled_fp8_dot).lower(*args).compile().as_text()))))
+text = jax.jit(scaled_fp8_dot).lower(*args).compile().as_text()
+from jaxpar.compiler import hlo_flops
+print(hlo_flops.executed_flops(text)["dot"])
+print(sorted(set(re.findall(r'custom_call_target="([^"]+)"', text))))
 """
 
 
 @pytest.mark.parametrize("gpu, gemm", [("h100", "__cublas$lt$matmul$f8"), ("a100", "__cublas$lt$matmul")])
 def test_the_target_config_names_the_cuda_runtime_so_hopper_forms_fp8_gemms(gpu, gemm):
     """Without `runtime_version` in the target config XLA's GPU compiler never forms an FP8 GEMM (issue
-    47): the scaled E4M3 dot stays a bf16 cuBLASLt matmul on H100 too. A100 has no FP8 tensor cores."""
+    47): the scaled E4M3 dot stays a bf16 cuBLASLt matmul on H100 too. A100 has no FP8 tensor cores.
+    The FP8 GEMM's FLOPs are counted like any GEMM's (2 x 256 x 512 x 128)."""
     assert "runtime_version { major: 12 minor: 9 patch: 0 }" in gpu_aot.target_config(gpu_aot.target("h100"), (12, 9))
     done = subprocess.run([sys.executable, "-c", FP8_PROBE, gpu], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == repr([gemm])
+    *_, flops, targets = done.stdout.strip().splitlines()
+    assert targets == repr([gemm])
+    assert float(flops) == 2 * 256 * 512 * 128

@@ -12,7 +12,7 @@ The model:
   wrapping one) run one after another on one communication stream, host copies (`copy-start`, and
   a `fusion-start` slicing host memory: offload.params' per-layer copies) on their own.
 - A kernel (fusion, library call, copy, ...) costs max(FLOPs / (peak x MATMUL_EFFICIENCY), bytes /
-  HBM bandwidth) + KERNEL_LAUNCH_S. FLOPs (jaxpar.compiler.hlo_collectives's): dots and convolutions inside it, cuBLAS
+  HBM bandwidth) + KERNEL_LAUNCH_S; an FP8 cuBLASLt GEMM at the FP8 peak (jaxpar.compiler.hardware). FLOPs (jaxpar.compiler.hlo_collectives's): dots and convolutions inside it, cuBLAS
   GEMMs, cuDNN flash attention (hlo_flops.fmha_flops: 4 b h sq sk d forward, 2.5 times that backward, which
   recomputes the scores; half with a causal mask, whose masked blocks the kernel skips). Bytes: operands
   read plus results written; a fusion operand it only slices counts its slices (also when it slices the operand
@@ -96,6 +96,8 @@ class _Walker:
         if self.entry is None:
             raise ValueError("no ENTRY computation in HLO text")
         self.mesh, self.hw, self.matmul_rate = mesh, hw, hw.peak_flops * matmul_efficiency
+        # FP8 GEMMs at the FP8 peak, same efficiency (jaxpar.compiler.hardware: an estimate until measured)
+        self.fp8_matmul_rate = (hw.fp8_peak_flops or hw.peak_flops) * matmul_efficiency
         self.n_devices = int(np.asarray(mesh.devices).size)
         flat = list(np.asarray(mesh.devices).flat)
         self.node = [getattr(d, "process_index", 0) for d in flat]  # a GPU dry run's node = its process
@@ -167,7 +169,8 @@ class _Walker:
     # ------------------------------------------------------------------ kernels
     def _kernel(self, ins: dict, instrs: dict, st: _State) -> None:
         flops, nbytes = self.kernel_cost(ins, instrs)
-        matmul_s, memory_s = flops / self.matmul_rate, nbytes / (self.hw.hbm_tbps * 1e12)
+        rate = self.fp8_matmul_rate if hlo_flops.is_fp8_gemm(ins) else self.matmul_rate
+        matmul_s, memory_s = flops / rate, nbytes / (self.hw.hbm_tbps * 1e12)
         if matmul_s >= memory_s:
             st.matmul_s += matmul_s
         else:

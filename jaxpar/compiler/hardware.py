@@ -15,6 +15,10 @@ inter-node figures are the seed's (table 6.3 and section 8.1): InfiniBand 200 Gb
 NIC, 4 NICs per node ("4 x IB 200Gbps, recommended"); RoCE v2 100 Gbps = 12.5 GB/s per NIC, 8 NICs
 per node ("8 x RoCE 100Gbps, acceptable"); PCIe Gen5 64 GB/s for host offload.
 
+FP8: the dense FP8 tensor-core peak, NVIDIA's data sheets (H100 / H200 SXM 1,979 TFLOP/s, twice bf16's;
+A100 has none). An FP8 GEMM is priced at it times the same `matmul_efficiency`, the bf16 calibration
+carried over, not measured: an estimate until a GPU measures an FP8 step (issue 47).
+
 `matmul_efficiency` is the fraction of peak the matmuls reach, fitted to the one GPU measurement
 (the 1B Llama on an H200, BENCHMARKS.md): 0.55 puts the GPU dry run's estimate (jaxpar.compiler.gpu_program)
 within 5% of the three measured step times. The planner and that estimate share it; recalibrate
@@ -59,10 +63,15 @@ class Hardware:
     matmul_efficiency: float = MATMUL_EFFICIENCY  # fitted (see module docstring)
     usable_hbm_fraction: float = USABLE_FRACTION  # memory_budget's; --hardware_json may plan another
     compute_capability: float = 9.0  # 8.0 Ampere, 9.0 Hopper: what cuDNN attention may run (planner/kernels.py)
+    fp8_peak_tflops: float = 0.0  # dense FP8 tensor-core peak; 0: no FP8 tensor cores (precision=fp8 refused)
 
     @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
+
+    @property
+    def fp8_peak_flops(self) -> float:
+        return self.fp8_peak_tflops * 1e12
 
     @property
     def usable_bytes(self) -> float:
@@ -127,8 +136,8 @@ ROCE_8X100 = 8 * 12.5
 
 PROFILES: dict[str, Hardware] = {  # hbm_gb: the driver's total, the bytes jaxpar.compiler.gpu_aot compiles for
     "a100-80gb": Hardware("a100-80gb", 312.0, 85.100068864, 2.0, 600.0, IB_4X200, compute_capability=8.0),
-    "h100-80gb": Hardware("h100-80gb", 989.0, 84.942979072, 3.35, 900.0, IB_4X200),
-    "h200": Hardware("h200", 989.0, 150.109945856, 4.8, 900.0, IB_4X200),
+    "h100-80gb": Hardware("h100-80gb", 989.0, 84.942979072, 3.35, 900.0, IB_4X200, fp8_peak_tflops=1979.0),
+    "h200": Hardware("h200", 989.0, 150.109945856, 4.8, 900.0, IB_4X200, fp8_peak_tflops=1979.0),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h200-141gb": "h200"}
 

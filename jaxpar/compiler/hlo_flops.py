@@ -17,7 +17,8 @@ from jaxpar.compiler.hlo_collectives import _ARRAY, _called, _close, _ints, _spl
 # MFU's model FLOPs (6N) say what the model needs; this says what the compiled program runs, remat
 # recomputation, masked pipeline slots and replicated work included.
 
-_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__onednn$matmul")  # dots XLA lowered to a library
+FP8_GEMM = "__cublas$lt$matmul$f8"  # XLA's FP8 GEMM on Hopper and newer (jaxpar.layers.fp8's pattern)
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", FP8_GEMM, "__onednn$matmul")  # dots lowered to a library
 _FMHA = "__cudnn$fmha"  # cuDNN fused attention: __cudnn$fmhaSoftmax, ...Backward, ScaleBias..., ...F8
 _MAYBE_COMPUTE = re.compile(r"gemm|matmul|conv|fmha|attention", re.I)
 _CAUSAL = re.compile(r'"mask_type"\s*:\s*"(?:PADDING_)?CAUSAL"')
@@ -91,6 +92,11 @@ def fmha_flops(ins: dict, instrs: dict[str, dict]) -> float | None:
     d_qk, d_v = q_dims[-1], v_dims[-1]
     flops = 2.0 * n * ((3 * d_qk + 2 * d_v) if "Backward" in target.group(1) else (d_qk + d_v))
     return flops / 2 if _CAUSAL.search(attrs) else flops
+
+
+def is_fp8_gemm(ins: dict) -> bool:
+    """Whether an instruction is an FP8 cuBLASLt GEMM (priced at the FP8 peak: jaxpar.compiler.gpu_program)."""
+    return ins["op"] == "custom-call" and f'custom_call_target="{FP8_GEMM}"' in ins["attrs"]
 
 
 def _instr_flops(ins: dict, instrs: dict[str, dict]) -> tuple[str, float | None] | None:
