@@ -83,7 +83,7 @@ def run(argv: list[str]) -> int:
         hf_siglip.write_vision({k: weights[k] for k in ("vit", "projector")}, config.vision, out / "vision")
         out = out / "llm"
     llm = {k: v for k, v in weights.items() if k not in ("vit", "projector")}
-    dtype = args.dtype or ("bf16" if config.precision == "bf16" else "fp32")
+    dtype = args.dtype or ("bf16" if config.bf16_compute else "fp32")
     out = hf_llama.write(llm, config.model, out, max_positions(config), dtype)
     _write_tokenizer(config, out)
     _write_eos_ids(config, out)

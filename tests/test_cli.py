@@ -54,7 +54,7 @@ CLI_MISTAKES = {
     "unknown_group": (["--config.optim.lr=1"], ["unknown config key 'optim.lr'", "train"]),
     "zero_stage": (["--config.zero.stage=4"], ["zero.stage=4", "use 0, 1, 2 or 3"]),
     "pp_n_layers": (["--config.mesh.pp=3"], ["mesh.pp=3", "model.n_layers=2", "use a pp that divides"]),
-    "precision": (["--config.precision=fp16"], ["precision='fp16'", "use fp32 or bf16"]),
+    "precision": (["--config.precision=fp16"], ["precision='fp16'", "use fp32, bf16 or fp8"]),
     "bad_int": (["--config.mesh.tp=two"], ["--config.mesh.tp=two", "an int"]),
     "bad_float": (["--config.train.lr=fast"], ["--config.train.lr=fast", "a float"]),
     "not_config_flag": (["--lr=3"], ["'--lr=3'", "--config.KEY=VALUE"]),

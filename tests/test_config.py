@@ -43,7 +43,7 @@ OTHER_KEYS = {
     "actions.normalization": str, "actions.q01": tuple[float, ...], "actions.q99": tuple[float, ...],
     "data.cameras": tuple[str, ...], "data.eval_episodes": int, "eval.rollouts": int, "data.demo_format": str,
     "data.prefetch": int, "data.frame_cache_mb": int,
-    "compile.cache_dir": str,
+    "compile.cache_dir": str, "fp8.recipe": str,
     "vision.image_mean": tuple[float, ...], "vision.image_std": tuple[float, ...], "vision.resize": str,
 }
 
@@ -256,7 +256,7 @@ LAYOUT_MISTAKES = {
     "zero_stage_4": (dict(zero__stage=4), ["zero.stage=4", "0, 1, 2 or 3"]),
     "zero_stage_neg": (dict(zero__stage=-1), ["zero.stage=-1", "0, 1, 2 or 3"]),
     "pp_n_layers": (dict(mesh__pp=3), ["mesh.pp=3", "model.n_layers=2", "divides"]),
-    "precision": (dict(precision="fp16"), ["precision='fp16'", "fp32 or bf16"]),
+    "precision": (dict(precision="fp16"), ["precision='fp16'", "fp32, bf16 or fp8"]),
     "remat": (dict(remat=C.RematConfig(policy="some")), ["remat.policy='some'", "none"]),
     "dp_zero": (dict(mesh__dp=0), ["mesh.dp=0", ">= 1"]),
     "heads_d_model": (dict(model__d_model=66), ["model.d_model=66", "model.n_heads=4"]),

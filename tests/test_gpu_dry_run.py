@@ -344,3 +344,18 @@ def test_the_target_config_names_the_cuda_runtime_so_hopper_forms_fp8_gemms(gpu,
     *_, flops, targets = done.stdout.strip().splitlines()
     assert targets == repr([gemm])
     assert float(flops) == 2 * 256 * 512 * 128
+
+
+@pytest.mark.slow  # two GPU compiles of a 2-layer llama7b (about 20 s each)
+def test_fp8_runs_every_linear_gemm_of_forward_and_backward_in_fp8(tmp_path):
+    """precision=fp8 on H100 (issue 47): q, k, v, o, gate, up and down, each as a forward, an input-gradient
+    and a weight-gradient GEMM, all FP8 cuBLASLt GEMMs; the LM head's three stay bf16. bf16 forms none."""
+    two_layers = ["--config", "configs/llama7b.py", "--config.model.n_layers=2", "--gpu", "h100"]
+    done, fp8 = dry_run(tmp_path, *two_layers, "--config.precision=fp8")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert fp8["kernels"]["fp8_gemm_calls"] == 2 * 7 * 3
+    assert fp8["kernels"]["gemm_calls"] == 2 * 7 * 3 + 3
+    assert fp8["cuda_runtime"] == "%d.%d" % gpu_aot.cuda_version()
+    done, bf16 = dry_run(tmp_path, *two_layers, "--config.precision=bf16")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert bf16["kernels"]["fp8_gemm_calls"] == 0 and bf16["kernels"]["gemm_calls"] == fp8["kernels"]["gemm_calls"]

@@ -618,3 +618,20 @@ def test_the_plan_names_the_select_nan_guard_where_the_conditionals_copy_is_the_
     selective = llama7b("zero.stage=1", "train.nan_guard=cond", "remat.policy=selective")
     assert report.plan(selective, hw, 8)["select_guard_peak_bytes"] is None
     assert report.plan(llama7b("zero.stage=3", "train.nan_guard=cond"), hw, 8, target="cpu")["select_guard_peak_bytes"] is None
+
+
+@pytest.mark.parametrize("name", ["llama7b.py", "vla70b.py"])
+def test_fp8_prices_the_linear_gemms_at_the_fp8_peak_and_nothing_else(name):
+    """precision=fp8 on H100: only the layers' (and the encoder's) weight GEMMs move to the FP8 peak (twice
+    bf16's), so the planned matmul time falls by less than half; the head, the attention core, the memory-bound
+    kernels and every collective are priced as under bf16."""
+    hw = hardware.get("h100-80gb")
+    bf16 = load_config(name, ["precision=bf16"])
+    planned = {p: cost.step_time(dataclasses.replace(bf16, precision=p), hw, 8) for p in ("bf16", "fp8")}
+    assert planned["bf16"]["matmul_s"] / 2 < planned["fp8"]["matmul_s"] < 0.75 * planned["bf16"]["matmul_s"]
+    for key in ("memory_s", "launch_s", "tp_comm_s", "dp_comm_s", "pp_comm_s"):
+        assert planned["fp8"][key] == planned["bf16"][key], key
+    flops = cost.compute_flops(bf16)
+    head_s = flops["executed_parts"]["head"] / (hw.peak_flops * hw.matmul_efficiency)
+    layers_bf16 = planned["bf16"]["matmul_s"] - head_s
+    assert planned["fp8"]["matmul_s"] - head_s > layers_bf16 / 2  # the attention core stays bf16

@@ -74,7 +74,7 @@ def accelerator(devices) -> Accelerator:
 
 def sites(config: Config) -> list[Site]:
     """The LLM's attention and, for a VLA, the ViT's."""
-    dtype = "bf16" if config.precision == "bf16" else "fp32"
+    dtype = "bf16" if config.bf16_compute else "fp32"
     model = config.model
     if model.kind == "vla":
         seq, mask = vla.sequence_layout(config)[2], "prefix" if model.prefix_lm else "causal"
@@ -134,8 +134,24 @@ def _choose(site: Site, asked: str, acc: Accelerator) -> tuple[str, str]:
                      f"head_dim {site.head_dim}, {'no' if site.mask == 'none' else site.mask} mask")
 
 
+def fp8_problem(acc: Accelerator) -> str | None:
+    """Why `acc` cannot run precision=fp8's GEMMs (one clause), or None. FP8 tensor cores start at compute
+    capability 8.9 (Ada; Hopper 9.0); XLA:CPU computes the FP8 GEMMs by upcasting (the tests' meshes)."""
+    if acc.platform != "gpu":
+        return None
+    cc = acc.compute_capability
+    if cc is None or cc < (8, 9):
+        found = f"is {cc[0]}.{cc[1]}" if cc else "reports none"
+        return (f"precision=fp8 needs FP8 tensor cores (compute capability 8.9 or newer: H100, H200, L40S) and "
+                f"{acc.device_kind} {found}")
+    return None
+
+
 def choose_attention(config: Config, acc: Accelerator) -> tuple[Config, str]:
-    """The config with every attention kernel resolved for `acc`, and the one line saying so."""
+    """The config with every attention kernel resolved for `acc`, and the one line saying so. Also where
+    the devices refuse precision=fp8 (`fp8_problem`): the one capability check at start, and the planner's."""
+    if config.precision == "fp8" and (problem := fp8_problem(acc)):
+        raise ConfigError(f"{problem}; use precision=bf16")
     asked = {"LLM": config.model.attention, "ViT": config.vision.attention or config.model.attention}
     chosen, parts = {}, {}
     for site in sites(config):

@@ -51,7 +51,7 @@ def zero_formula_bytes(config: Config, psi_local: int, dp: int) -> dict[str, flo
     the fp32 sum of the microbatches, before the reduce-scatter).
     """
     stage = config.zero.stage
-    p_bytes, g_bytes, k = (2, 4 if config.grad_reduce == "fp32" else 2, 12) if config.precision == "bf16" else (4, 4, 8)
+    p_bytes, g_bytes, k = (2, 4 if config.grad_reduce == "fp32" else 2, 12) if config.bf16_compute else (4, 4, 8)
     out = {"params": p_bytes * psi_local / (dp if stage >= 3 else 1),
            "grads": g_bytes * psi_local / (dp if stage >= 1 else 1),
            "opt_state": k * psi_local / (dp if stage >= 1 else 1)}

@@ -93,12 +93,11 @@ def cuda_version() -> tuple[int, int]:
     ("12.9.86" -> (12, 9)); the package's third number is NVIDIA's build, not the runtime's patch."""
     from importlib import metadata
 
-    try:
-        version = metadata.version("nvidia-cuda-nvcc-cu12")
-    except metadata.PackageNotFoundError:
+    found = next(metadata.distributions(name="nvidia-cuda-nvcc-cu12", path=[str(LOCAL_PACKAGES), *sys.path]), None)
+    if found is None:
         raise ConfigError(f"--gpu needs XLA's GPU compiler, which is not installed (nvidia-cuda-nvcc-cu12): "
-                          f"{INSTALL}") from None
-    major, minor = version.split(".")[:2]
+                          f"{INSTALL}")
+    major, minor = found.version.split(".")[:2]
     return int(major), int(minor)
 
 

@@ -6,7 +6,7 @@ a run whose weights start from Hugging Face is assembled by jaxpar.interop.pretr
 from jaxpar.config.checks import has_evaluation, pipeline_warning, profile_steps, validate
 from jaxpar.config.schema import (ATTENTION_KINDS, NAN_GUARDS, ONE_FOR_ALL, PIPELINE_SCHEDULES, REMAT_POLICIES,
                                   REPO_CONFIG_DIR, RESIZE_FILTERS, ActionConfig, CheckpointConfig, CompileConfig, Config,
-                                  DataConfig, DebugConfig, EvalConfig, HardwareConfig, InitConfig, MeshConfig,
+                                  DataConfig, DebugConfig, EvalConfig, Fp8Config, HardwareConfig, InitConfig, MeshConfig,
                                   ModelConfig, OffloadConfig, PipelineConfig, ProfileConfig, RematConfig,
                                   TrainConfig, VisionConfig, VisionZeroConfig, ZeroConfig, carries_instruction_bytes,
                                   coerce, from_dict, image_split_ways, image_tokens, instruction_tokenizer_file,

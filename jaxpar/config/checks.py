@@ -4,7 +4,7 @@ a mistake costs no JAX start-up. jaxpar.config re-exports `validate` and the hel
 
 from __future__ import annotations
 
-from jaxpar.config.schema import (ATTENTION_KINDS, NAN_GUARDS, OFFLOAD_UPDATES, PIPELINE_SCHEDULES, REMAT_POLICIES,
+from jaxpar.config.schema import (ATTENTION_KINDS, FP8_RECIPES, NAN_GUARDS, OFFLOAD_UPDATES, PIPELINE_SCHEDULES, REMAT_POLICIES,
                                   RESIZE_FILTERS, ActionConfig, Config, VisionConfig, vla_sequence_layout)
 from jaxpar.errors import ConfigError
 
@@ -48,7 +48,13 @@ def _validate_ranges(config: Config) -> None:
     _require(config.zero.stage in (0, 1, 2, 3), f"zero.stage={config.zero.stage} is out of range; use 0, 1, 2 or 3")
     _require(config.remat.policy in REMAT_POLICIES,
              f"remat.policy='{config.remat.policy}' is unknown; use one of {', '.join(REMAT_POLICIES)}")
-    _require(config.precision in ("fp32", "bf16"), f"precision='{config.precision}' is unknown; use fp32 or bf16")
+    _require(config.precision in ("fp32", "bf16", "fp8"),
+             f"precision='{config.precision}' is unknown; use fp32, bf16 or fp8")
+    _require(config.fp8.recipe in FP8_RECIPES, f"fp8.recipe='{config.fp8.recipe}' is unknown; use current (delayed "
+                                                f"scaling, with an amax history in the train state, is not built yet)")
+    _require(config.precision != "fp8" or config.pipeline.schedule != "zb",
+             "precision=fp8 with pipeline.schedule=zb is not supported yet (zb defers the weight GEMMs outside "
+             "the FP8 linear); use pipeline.schedule=1f1b")
     _require(config.grad_reduce in ("fp32", "bf16"),
              f"grad_reduce='{config.grad_reduce}' is unknown; use fp32 or bf16")
     for key, value, allowed in (("model.attention", config.model.attention, ATTENTION_KINDS),

@@ -142,6 +142,7 @@ class RematConfig:
 REMAT_POLICIES = ("none", "dots", "selective", "offload", "full")  # jaxpar.parallel.remat
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb")
 ATTENTION_KINDS = ("auto", "xla", "cudnn")  # jaxpar.compiler.attention_choice
+FP8_RECIPES = ("current",)  # jaxpar.layers.fp8
 # vision.resize: "area" (box down, bilinear up) or a PIL resampling filter (jaxpar.data.video.resize)
 RESIZE_FILTERS = ("area", "nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
 
@@ -336,10 +337,21 @@ class CompileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """precision=fp8 (jaxpar.layers.fp8): how the FP8 GEMMs scale their operands. `current`: each
+    operand's own amax in each GEMM, a power-of-two scale (Megatron's current scaling; no state). The
+    delayed recipe (an amax history carried in the train state) is issue 47's next step."""
+
+    recipe: str = "current"
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     mesh: MeshConfig = MeshConfig()
     zero: ZeroConfig = ZeroConfig()
-    precision: str = "fp32"  # fp32 | bf16 (fp32 master + optimizer state, bf16 compute)
+    # fp32 | bf16 (fp32 master + optimizer state, bf16 compute) | fp8 (bf16's state and compute, and the
+    # linear layers' GEMMs in FP8: jaxpar.layers.fp8, `fp8`)
+    precision: str = "fp32"
     # dtype of the gradient reduction over dp under precision=bf16 (Megatron's default is fp32: the local
     # gradients are widened before the all-reduce / reduce-scatter; bf16 halves the bytes)
     grad_reduce: str = "fp32"
@@ -358,6 +370,12 @@ class Config:
     profile: ProfileConfig = ProfileConfig()
     init: InitConfig = InitConfig()
     compile: CompileConfig = CompileConfig()
+    fp8: Fp8Config = Fp8Config()
+
+    @property
+    def bf16_compute(self) -> bool:
+        """bf16 compute copies over fp32 master weights (precision=bf16, and fp8, whose state is bf16's)."""
+        return self.precision in ("bf16", "fp8")
 
 
 # ----------------------------------------------------------------------------- loading

@@ -96,7 +96,7 @@ def _together(*values):
     return jax.lax.optimization_barrier(values)
 
 
-def _transposed(equation: str) -> tuple[str, str]:
+def transposed_equations(equation: str) -> tuple[str, str]:
     """("a,b->c") -> the equations of the input gradient ("c,b->a") and the weight gradient ("a,c->b")."""
     inputs, out = equation.split("->")
     a, b = inputs.split(",")
@@ -171,7 +171,7 @@ def _column_bwd(equations, axes, keep_gathered, residuals, d_outs):
     weight gradients as one GEMM each (fp32 accumulation) on the gathered input kept from the forward, or,
     where only the shard was kept (`keep_gathered` False), on the shard all-gathered again."""
     x_kept, weights = residuals
-    grads = [_transposed(e) for e in equations]
+    grads = [transposed_equations(e) for e in equations]
 
     def partial(chunks):
         parts = [jnp.einsum(dx_eq, d, w) for (dx_eq, _), d, w in zip(grads, chunks, weights)]
@@ -204,7 +204,7 @@ def _row_bwd(equation, axes, residuals, d_out):
     """The output gradient all-gathered by the ring, each chunk's dX GEMM under the next send; the weight
     gradient as one GEMM on the gathered output gradient (fp32 accumulation)."""
     x, w = residuals
-    dx_eq, dw_eq = _transposed(equation)
+    dx_eq, dw_eq = transposed_equations(equation)
     starts, chunks, made = _gather_ring(d_out, axes, lambda c: [jnp.einsum(dx_eq, c, w)])
     d_x = _assemble([m[0] for m in made], starts)
     d_w = jnp.einsum(dw_eq, x, _assemble(chunks, starts), preferred_element_type=jnp.float32).astype(w.dtype)

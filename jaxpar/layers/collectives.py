@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.layers import collective_matmul, ring
+from jaxpar.layers import collective_matmul, fp8, ring
 from jaxpar.layers.blockwise import balanced_order  # noqa: F401  (re-exported)
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
 from jaxpar.layers.order import (backward_ordered, chain_both_ways, cotangent_after, cotangent_summed,
@@ -75,6 +75,9 @@ class Collectives:
     # order.ordering_on() is False) and the layers run no dp collectives (matmul_rings), for chunks of
     # AUTO_MIN_CHUNK_TOKENS and more; off on XLA:CPU's emulated meshes
     collective_matmul: str = "auto"
+    # precision=fp8: `linear`'s GEMMs in FP8 (jaxpar.layers.fp8). Not a parallel concern, but `linear` is the
+    # one hook every linear layer calls, single-device model included (the runtime builds the Collectives)
+    fp8: bool = False
 
     def context_positions(self, local_len: int) -> jax.Array | None:
         """This rank's token positions in the whole sequence (its slice of balanced_order); None
@@ -107,6 +110,9 @@ class Collectives:
         pipeline can compute its input gradient and its weight gradient at different times."""
         if self.weight_grads is not None:
             return self.weight_grads.linear(equation, x, w)
+        if self.fp8:  # a custom_vjp returns its inputs' types: each operand is typed as varying where the
+            # other does (a tp-invariant input of a column linear, the ViT's: its gradient's tp sum is the cast's)
+            return fp8.einsum(equation, typed_like(x, w), typed_like(w, x))
         return jnp.einsum(equation, x, w)
 
     @property
@@ -119,6 +125,8 @@ class Collectives:
         hid is exposed instead (llama7b dp 16 x tp 4 ZeRO-3 on 64 A100s: 2.082 s off, 2.164 s on;
         collective_matmul's docstring, "When auto runs the rings")."""
         if not self.sequence_axis or self.weight_grads is not None or self.sequence_axes != _as_tuple(self.tp_axis):
+            return False
+        if self.fp8:  # the rings' GEMMs are bf16 einsums of their own: FP8 goes through `linear` (issue 47)
             return False
         return self.collective_matmul == "on" or (self.collective_matmul == "auto" and not ordering_on()
                                                   and not self.taps_weights)

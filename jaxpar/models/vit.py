@@ -195,15 +195,15 @@ def vit_block(x_BxNxD: jax.Array, p: dict, coll: Collectives, attention: str = "
     p = coll.gather_weights(p, {k: v for k, v in {**BLOCK_AXES, **BLOCK_BIAS_AXES}.items() if k in p})
     bias = lambda name: p.get(name, 0.0)  # noqa: E731  (vision.bias=false: no biases)
     h = layer_norm(x_BxNxD, p["ln1_scale"], p["ln1_bias"])
-    q, k, v = (checkpoint_name(jnp.einsum("bnd,dhk->bnhk", h, p[w]) + bias(b), name)
+    q, k, v = (checkpoint_name(coll.linear("bnd,dhk->bnhk", h, p[w]) + bias(b), name)
                for w, b, name in (("wq", "q_bias", "query_proj"), ("wk", "k_bias", "key_proj"),
                                   ("wv", "v_bias", "value_proj")))
     o = core_attention(q, k, v, kernel(attention))  # bidirectional; "attention_out" (+ cuDNN's statistics)
-    attended = coll.tp_sum(jnp.einsum("bnhk,hkd->bnd", o, p["wo"])) + bias("o_bias")
+    attended = coll.tp_sum(coll.linear("bnhk,hkd->bnd", o, p["wo"])) + bias("o_bias")
     x_BxNxD = x_BxNxD + checkpoint_name(attended, "attention_proj")
     h = layer_norm(x_BxNxD, p["ln2_scale"], p["ln2_bias"])
-    hidden = jax.nn.gelu(checkpoint_name(jnp.einsum("bnd,df->bnf", h, p["w_in"]) + bias("in_bias"), "mlp_up"))
-    out = coll.tp_sum(jnp.einsum("bnf,fd->bnd", hidden, p["w_out"])) + bias("out_bias")
+    hidden = jax.nn.gelu(checkpoint_name(coll.linear("bnd,df->bnf", h, p["w_in"]) + bias("in_bias"), "mlp_up"))
+    out = coll.tp_sum(coll.linear("bnf,fd->bnd", hidden, p["w_out"])) + bias("out_bias")
     return x_BxNxD + checkpoint_name(out, "mlp_out")
 
 
@@ -213,7 +213,8 @@ def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll:
     [B, cameras x patches, llm_width] in the params' dtype."""
     x = features(params, images_BxCamxHxWxC, cfg, coll, remat_policy, instruction_BxT)
     proj = coll.gather_weights(params["projector"], PROJECTOR_AXES)
-    tokens = coll.tp_sum(jax.nn.gelu(x @ proj["w1"]) @ proj["w2"])  # Megatron's column / row pair over tp
+    hidden = jax.nn.gelu(coll.linear("bnd,df->bnf", x, proj["w1"]))
+    tokens = coll.tp_sum(coll.linear("bnf,fd->bnd", hidden, proj["w2"]))  # Megatron's column / row pair over tp
     b = images_BxCamxHxWxC.shape[0]
     return tokens.reshape(b, -1, tokens.shape[-1])
 

@@ -132,7 +132,7 @@ class StepBuilder:
         self.prefix_len = vla.prefix_len(config) if self.vision is not None else 0
         self.tx = make_optimizer(config.train)
         self.schedule = lr_schedule(config.train)
-        self.bf16 = config.precision == "bf16"
+        self.bf16 = config.bf16_compute
         self.compute_dtype = jnp.bfloat16 if self.bf16 else jnp.float32
         # gradients are reduced over dp in fp32 unless grad_reduce=bf16 (Megatron's default is fp32 too)
         self.grad_reduce_dtype = jnp.bfloat16 if self.bf16 and config.grad_reduce == "bf16" else jnp.float32
@@ -281,7 +281,7 @@ class StepBuilder:
                            context_strategy=self.config.mesh.cp_strategy,
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
                            kv_heads_replicated=self.replicates_kv and tp is not None, zero_hooks=zero.LAYER_HOOKS,
-                           collective_matmul=self.config.mesh.collective_matmul)
+                           collective_matmul=self.config.mesh.collective_matmul, fp8=self.config.precision == "fp8")
 
     def remat_policy(self):
         """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""

@@ -39,7 +39,7 @@ class VisionComponent:
         self.split_sizes = tuple(sizes[a] for a in self.split_axes)
         self.data_axes = tuple(a for a in ("dp",) if sizes[a] > 1) + self.split_axes
         tensor_axis = self.rules.table["vit_heads"]  # "tp", the inner "tpv", or None
-        self.coll = Collectives(tp_axis=tensor_axis if vcfg.tp > 1 else None)
+        self.coll = Collectives(tp_axis=tensor_axis if vcfg.tp > 1 else None, fp8=config.precision == "fp8")
         self.policy = remat.layer_policy(vcfg.remat.policy, regathers_weights=False)
 
     def describe(self, mesh) -> dict:

@@ -117,12 +117,21 @@ def vision_flops(config: Config) -> float:
     return blocks + patch + projector + film
 
 
+def linear_share(fwd: dict[str, float]) -> float:
+    """The share of a layer's matmul FLOPs in its weight GEMMs (the attention core's scores and values are
+    not): what precision=fp8 runs as FP8 GEMMs (jaxpar.layers.fp8), in the forward and the backward alike."""
+    return 1.0 - (fwd["scores"] + fwd["values"]) / fwd["total"]
+
+
 def compute_flops(config: Config) -> dict:
     """Model FLOPs per step (for MFU), per device, and the FLOPs one device executes, by part."""
     model = model_flops_per_step(config, seq_len(config))
     llm = llm_flops(config)
     vision = vision_flops(config)
-    return {"model_flops": model, "model_flops_per_device": model / config.mesh.size,
+    shares = {"layers": linear_share(layer_forward(llm_block(config), microbatch(config), local_seq(config)))}
+    if config.model.kind == "vla":
+        shares["vision"] = linear_share(layer_forward(vit_block(config), 1, patches_per_image(config.vision)))
+    return {"linear_shares": shares,"model_flops": model, "model_flops_per_device": model / config.mesh.size,
             "executed_flops_per_device": llm["layers"] + llm["head"] + vision,
             "executed_parts": {"layers": llm["layers"], "head": llm["head"], "vision": vision},
             "layers_busy_flops_per_device": llm["layers_busy"],
@@ -153,7 +162,7 @@ def ring_allreduce_s(nbytes: float, n: int, bandwidth: float) -> float:
 def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     """tp all-reduces of the busy slots, the dp gradient sync and the pp traffic, in seconds."""
     mesh, m = config.mesh, config.model
-    c = 2 if config.precision == "bf16" else 4
+    c = 2 if config.bf16_compute else 4
     p = mesh.pp
     passes = config.pipeline.microbatches if p > 1 else config.train.grad_accum
     activation = c * microbatch(config) * local_seq(config) * m.d_model  # one [b, s / cp, d] in compute dtype
@@ -207,7 +216,7 @@ def _vision_dp_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> fl
     if config.model.kind != "vla":
         return 0.0
     ways = vision_data_ways(config)
-    g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
+    g = 4 if config.grad_reduce == "fp32" or not config.bf16_compute else 2
     per_element = {0: 2 * g, 1: g + c, 2: g + c}.get(config.vision.zero.stage, g + 2 * c)
     bw, _ = link_bandwidth(config.vision.tp, ways, gpus_per_node, hw)
     return 0.0 if ways <= 1 else per_element * (ways - 1) / ways * local_params(config)["vision"] / bw
@@ -233,8 +242,8 @@ def dp_bytes(config: Config) -> dict[str, float]:
         return {}
     counts = local_params(config)
     psi, layers = counts["llm_layers"] + counts["llm_rest"], counts["llm_layers"]
-    g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
-    c = 2 if config.precision == "bf16" else 4
+    g = 4 if config.grad_reduce == "fp32" or not config.bf16_compute else 2
+    c = 2 if config.bf16_compute else 4
     microbatches = config.train.grad_accum if mesh.pp == 1 else 1
     if stage == 0:
         return {"all-reduce": g * psi}
@@ -312,15 +321,27 @@ def pipelined_dp_hidden_s(config: Config, grad_reduce_s: float, layers_executed_
     return hidden
 
 
+def matmul_rates(config: Config, hw: Hardware, shares: dict[str, float]) -> dict[str, float]:
+    """FLOP/s of the layers', the encoder's and the head's matmuls: `matmul_efficiency` x the bf16 peak, and
+    under precision=fp8 the linear share of a layer at the FP8 peak instead (the same efficiency: an
+    estimate, as in jaxpar.compiler.gpu_program; the head and the attention core stay bf16)."""
+    rate = hw.peak_flops * hw.matmul_efficiency
+    if config.precision != "fp8" or not hw.fp8_peak_flops:
+        return {"layers": rate, "vision": rate, "head": rate}
+    slower = hw.peak_flops / hw.fp8_peak_flops  # an FP8 FLOP's time in bf16 FLOPs
+    return {"head": rate, **{part: rate / (1 - share * (1 - slower)) for part, share in shares.items()},
+            **({} if "vision" in shares else {"vision": rate})}
+
+
 def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     """Seconds per step, by part, and the MFU this implies."""
     flops = compute_flops(config)
-    rate = hw.peak_flops * hw.matmul_efficiency
+    rates = matmul_rates(config, hw, flops["linear_shares"])
     parts = flops["executed_parts"]
-    busy_layers_s = flops["layers_busy_flops_per_device"] / rate
+    busy_layers_s = flops["layers_busy_flops_per_device"] / rates["layers"]
     idle = 1 - flops["layers_busy_flops_per_device"] / parts["layers"]  # bubble_fraction when F:B costs 1:2
     comm = _comm_s(config, hw, gpus_per_node)
-    compute_s = busy_layers_s + (parts["head"] + parts["vision"]) / rate
+    compute_s = busy_layers_s + parts["head"] / rates["head"] + parts["vision"] / rates["vision"]
     bubble_s = idle / (1 - idle) * (busy_layers_s + comm["tp_comm_s"])
     layers = config.model.n_layers // config.mesh.pp
     backward_s = busy_layers_s * flops["layers_backward_share"]

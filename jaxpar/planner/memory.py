@@ -248,7 +248,7 @@ def _states(config: Config, counts: dict, c: int, target: str) -> dict:
     z = config.zero.stage
     llm = counts["llm_layers"] + counts["llm_rest"]
     opt_params = optimizer_params(config, counts)
-    master = 4 * opt_params if config.precision == "bf16" else 0.0
+    master = 4 * opt_params if config.bf16_compute else 0.0
     adam = 8 * opt_params
     off = config.offload
     host = (adam if off.optimizer else 0.0) + (master if off.optimizer and off.master_weights else 0.0)
@@ -268,7 +268,7 @@ def host_update(config: Config) -> bool:
 
 def grad_bytes(config: Config) -> int:
     """Bytes per element of the reduced gradients (grad_reduce's dtype; fp32 runs reduce fp32)."""
-    return 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
+    return 4 if config.grad_reduce == "fp32" or not config.bf16_compute else 2
 
 
 def host_memory(config: Config, st: dict) -> dict[str, float]:
@@ -294,7 +294,7 @@ def _activations(config: Config, c: int, target: str) -> dict:
            "cpu_f32_twins": 0.0}
     if target == "cpu":  # the host bytes count, and bf16 residual stacks get an f32 twin
         out["saved"] += host_saved
-        if config.precision == "bf16":  # the layer-input stack is held in f32: 4 - c more bytes per element
+        if config.bf16_compute:  # the layer-input stack is held in f32: 4 - c more bytes per element
             out["cpu_f32_twins"] = (4 - c) * live_mb * layers * b * s * m.d_model / blk.seq_split
     if pp > 1 and config.pipeline.schedule == "zb":
         out["saved"] += _zero_bubble_kept(config, blk, b * s, c, target) * layers
@@ -420,7 +420,7 @@ def _dp_reduction(config: Config, gradients: float) -> float:
     mesh = config.mesh
     if data_ways(config) == 1 or config.zero.stage >= 2 or (mesh.pp == 1 and config.train.grad_accum == 1):
         return 0.0
-    g = 4 if config.grad_reduce == "fp32" or config.precision != "bf16" else 2
+    g = 4 if config.grad_reduce == "fp32" or not config.bf16_compute else 2
     return gradients + 2 * g * _mlp_leaf(config)
 
 
@@ -428,8 +428,8 @@ def estimate(config: Config, target: str = "gpu", compute_capability: float = 9.
     """Per-device bytes of one train step of `config`: every term, the two phases and the peak.
     Attention is priced as the kernel a run on the target would use (planner/kernels.py)."""
     config = kernels.resolve(config, target, compute_capability)
-    c = 2 if config.precision == "bf16" else 4
-    bf16 = config.precision == "bf16"
+    c = 2 if config.bf16_compute else 4
+    bf16 = config.bf16_compute
     counts = local_params(config)
     st = _states(config, counts, c, target)
     act = _activations(config, c, target)

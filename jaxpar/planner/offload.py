@@ -63,7 +63,7 @@ def activation_bytes_per_layer(config: Config, compute_capability: float = 9.0) 
     the attention kernel `auto` takes on a GPU of `compute_capability` (cuDNN's statistics go too)."""
     if config.remat.policy != "offload":
         return 0.0
-    c = 2 if config.precision == "bf16" else 4
+    c = 2 if config.bf16_compute else 4
     blk = memory.llm_block(kernels.resolve(config, "gpu", compute_capability), "gpu")
     return memory.saved_per_layer("offload", blk, memory.microbatch(config), memory.local_seq(config), c)[1]
 
@@ -72,13 +72,13 @@ def link_bytes(config: Config, compute_capability: float = 9.0) -> dict[str, flo
     """Host-link bytes per device per step, by part: `params_in` and the activations overlap the
     layers' compute, the rest is moved at the step's end. `to_device` / `from_device` sum the
     directions. The activations move once per executed layer forward (masked pipeline slots too)."""
-    c = 2 if config.precision == "bf16" else 4
+    c = 2 if config.bf16_compute else 4
     counts = memory.local_params(config)
     p = memory.optimizer_params(config, counts)
     off = config.offload
     shard = memory.offloaded_params(config, counts, c)["host"]  # c L; 0 without offload.params
     on_host = memory.host_update(config)
-    state = (8 + (4 if off.master_weights and config.precision == "bf16" else 0)) * p
+    state = (8 + (4 if off.master_weights and config.bf16_compute else 0)) * p
     parts = {"params_in": 2 * shard * _passes(config),
              "state_in": state if off.optimizer and not on_host else 0.0,
              "state_out": state if off.optimizer and not on_host else 0.0,
@@ -99,7 +99,7 @@ def host_adam_s(config: Config, gpus_per_node: int, hw_name: str) -> float:
     memory bandwidth is shared by its GPUs' processes, which all update at once."""
     if not memory.host_update(config):
         return 0.0
-    c = 2 if config.precision == "bf16" else 4
+    c = 2 if config.bf16_compute else 4
     p = memory.optimizer_params(config, memory.local_params(config))
     per_gpu = HOST_MEMORY_GBPS.get(hw_name, DEFAULT_HOST_MEMORY_GBPS) * GB / gpus_per_node
     return (ADAM_READ_BYTES + ADAM_WRITE_BYTES + c) * p / per_gpu

@@ -88,7 +88,7 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
     (`slots`: the executed chunk slots by kind, slot_counts)."""
     config = kernels.resolve(config, "gpu", hw.compute_capability)
     m, mesh = config.model, config.mesh
-    c = 2 if config.precision == "bf16" else 4
+    c = 2 if config.bf16_compute else 4
     b, s = microbatch(config), local_seq(config)
     blk, t = llm_block(config, "gpu"), b * s
     passes = layer_passes(config, slots)

@@ -1,0 +1,99 @@
+"""FP8 GEMMs for the linear layers (`precision=fp8`, issue 47): E4M3 activations and weights in the
+forward, E5M2 output gradients in the backward, one scale per tensor, bf16 everywhere else.
+
+What and why:
+- Which GEMMs: the linears the model sends through `Collectives.linear` (the LLM's q / k / v / o and
+  MLP, the ViT's and the projector's). The embedding, the LM head, the norms and the attention core
+  stay bf16, as NeMo, MaxText and torchtitan keep them. Master weights and optimizer state stay fp32.
+- The pattern XLA knows: the FP8 operands converted to bf16, one dot with fp32 accumulation, the
+  product of the two scales on its output. XLA's GPU compiler rewrites exactly this into one cuBLASLt
+  FP8 GEMM with per-tensor scales (`__cublas$lt$matmul$f8`) on Hopper and newer, given a CUDA
+  runtime in its target config (jaxpar.compiler.gpu_aot); XLA:CPU computes the same values by
+  upcasting, so the numerics are testable here.
+- `current` scaling (`fp8.recipe`, Megatron's current scaling): each operand's scale comes from its
+  own amax in this GEMM, so there is no state to carry or checkpoint; the price is one more read of
+  each operand for its amax (memory-bound time that delayed scaling, issue 47's other recipe, avoids).
+- Power-of-two scales, 2^ceil(log2(amax / fp8_max)) (as MXFP8's E8M0 scales): dividing by a power
+  of two is exact, so an element's FP8 value is round_fp8(x) * scale whatever the scale, as long as
+  x / scale is a normal FP8 number. The scale a shard picks (a dp or tp shard, a microbatch, sees a
+  smaller amax than the whole tensor on one device) therefore changes no element above
+  2^-6 * scale (E4M3; 2^-14 for E5M2): parallel layouts agree with one device except in that
+  subnormal tail, the bound the equivalence test's tolerance is argued from. No element saturates:
+  amax / scale <= fp8_max by construction.
+- The backward uses the FP8 values the forward used: dX = dY(E5M2) W(E4M3), dW = X(E4M3)^T dY(E5M2),
+  the pairs cuBLASLt's FP8 GEMM accepts (never E5M2 x E5M2). Its residuals are the bf16 X and W, as
+  einsum's, and it quantizes them again (deterministic: the same scales and values). Keeping the FP8
+  copies instead would save each linear's own copy of its input (q, k and v three of one norm output)
+  and of its weight, which ZeRO-3's remat never keeps gathered: llama7b (dp 8, ZeRO-3, remat none on
+  8 x H100, GPU-compiled, no device) peaked at 35.90 GiB so, 30.92 as bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.layers.collective_matmul import transposed_equations
+
+FORWARD = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, max 448
+BACKWARD = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344 (their range varies more)
+
+
+def scale_for(amax: jax.Array, dtype) -> jax.Array:
+    """The power-of-two scale that maps `amax` into `dtype`'s range: 2^ceil(log2(amax / max)), 1 for an
+    all-zero tensor (fp32 scalar). Built from its exponent bits, so it is exactly a power of two (XLA:CPU's
+    exp2 is not: exp2(-13.0) came out 1.2207025e-4, and FP8 values then depended on the scale). The
+    exponent is clamped so the scale stays a normal fp32 number."""
+    top = float(jnp.finfo(dtype).max)
+    exponent = jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, top) / top))
+    biased = jnp.clip(exponent, -120.0, 120.0).astype(jnp.int32) + 127  # fp32's exponent bias
+    return jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(x / scale in `dtype`, scale): per-tensor current scaling with a power-of-two scale. The clip
+    only guards the rounding of log2 near an exact power of two (a value can never exceed the max)."""
+    x32 = x.astype(jnp.float32)
+    scale = scale_for(jnp.max(jnp.abs(x32)), dtype)
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x32 / scale, -top, top).astype(dtype), scale
+
+
+def _scaled_dot(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """einsum(equation, a, b) of FP8 operands in the form XLA's GPU compiler turns into one FP8 GEMM."""
+    product = jnp.einsum(equation, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return (product * scale).astype(dtype)
+
+
+def einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum(equation, x, w) as an FP8 GEMM, in x's dtype; its backward two FP8 GEMMs (dX, dW), the
+    weight gradient in w's dtype."""
+    return _einsum(equation, jnp.dtype(w.dtype).name, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _einsum(equation: str, w_dtype: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return _forward(equation, w_dtype, x, w)[0]
+
+
+def _forward(equation, w_dtype, x, w):
+    qx, sx = quantize(x, FORWARD)
+    qw, sw = quantize(w, FORWARD)
+    # the FP8 residual kept as its bits: jax.checkpoint rounds float residuals with reduce_precision to
+    # their finfo (jax 0.10.2, ad_checkpoint), whose IEEE semantics send E4M3FN's 256..448 to inf, then NaN
+    return _scaled_dot(equation, qx, qw, sx * sw, x.dtype), (jax.lax.bitcast_convert_type(qx, jnp.uint8), sx, w)
+
+
+def _backward(equation, w_dtype, residuals, d_out):
+    """d_out has the output's dtype, which is x's. w is quantized again, to the same values."""
+    qx_bits, sx, w = residuals
+    qx = jax.lax.bitcast_convert_type(qx_bits, FORWARD)
+    qw, sw = quantize(w, FORWARD)
+    dx_eq, dw_eq = transposed_equations(equation)
+    qd, sd = quantize(d_out, BACKWARD)
+    return _scaled_dot(dx_eq, qd, qw, sd * sw, d_out.dtype), _scaled_dot(dw_eq, qx, qd, sx * sd, jnp.dtype(w_dtype))
+
+
+_einsum.defvjp(_forward, _backward)
