@@ -17,15 +17,14 @@ What and why:
   of two is exact, so an element's FP8 value is round_fp8(x) * scale whatever the scale, as long as
   x / scale is a normal FP8 number. The scale a shard picks (a dp or tp shard, a microbatch, sees a
   smaller amax than the whole tensor on one device) therefore changes no element above
-  2^-6 * scale (E4M3; 2^-14 for E5M2): parallel layouts agree with one device except in that
-  subnormal tail, the bound the equivalence test's tolerance is argued from. No element saturates:
+  2^-6 * scale (E4M3; 2^-14 for E5M2): a data-parallel layout agrees with one device to bf16
+  rounding (tests/test_fp8.py, where the other layouts' tolerance is argued). No element saturates:
   amax / scale <= fp8_max by construction.
 - The backward uses the FP8 values the forward used: dX = dY(E5M2) W(E4M3), dW = X(E4M3)^T dY(E5M2),
-  the pairs cuBLASLt's FP8 GEMM accepts (never E5M2 x E5M2). Its residuals are the bf16 X and W, as
-  einsum's, and it quantizes them again (deterministic: the same scales and values). Keeping the FP8
-  copies instead would save each linear's own copy of its input (q, k and v three of one norm output)
-  and of its weight, which ZeRO-3's remat never keeps gathered: llama7b (dp 8, ZeRO-3, remat none on
-  8 x H100, GPU-compiled, no device) peaked at 35.90 GiB so, 30.92 as bf16.
+  the pairs cuBLASLt's FP8 GEMM accepts (never E5M2 x E5M2). Its residuals are the FP8 input (as its
+  bits) and the bf16 weight, which it quantizes again (deterministic: the same scale and values): an
+  FP8 copy of the weight would be a gathered copy per layer that ZeRO-3's remat never keeps (llama7b,
+  dp 8, ZeRO-3, remat none on 8 x H100, GPU-compiled, no device: 35.90 GiB so, 31.29 as it is).
 """
 
 from __future__ import annotations
@@ -67,18 +66,14 @@ def _scaled_dot(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dty
     return (product * scale).astype(dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """einsum(equation, x, w) as an FP8 GEMM, in x's dtype; its backward two FP8 GEMMs (dX, dW), the
     weight gradient in w's dtype."""
-    return _einsum(equation, jnp.dtype(w.dtype).name, x, w)
+    return _forward(equation, x, w)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _einsum(equation: str, w_dtype: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    return _forward(equation, w_dtype, x, w)[0]
-
-
-def _forward(equation, w_dtype, x, w):
+def _forward(equation, x, w):
     qx, sx = quantize(x, FORWARD)
     qw, sw = quantize(w, FORWARD)
     # the FP8 residual kept as its bits: jax.checkpoint rounds float residuals with reduce_precision to
@@ -86,14 +81,14 @@ def _forward(equation, w_dtype, x, w):
     return _scaled_dot(equation, qx, qw, sx * sw, x.dtype), (jax.lax.bitcast_convert_type(qx, jnp.uint8), sx, w)
 
 
-def _backward(equation, w_dtype, residuals, d_out):
+def _backward(equation, residuals, d_out):
     """d_out has the output's dtype, which is x's. w is quantized again, to the same values."""
     qx_bits, sx, w = residuals
     qx = jax.lax.bitcast_convert_type(qx_bits, FORWARD)
     qw, sw = quantize(w, FORWARD)
     dx_eq, dw_eq = transposed_equations(equation)
     qd, sd = quantize(d_out, BACKWARD)
-    return _scaled_dot(dx_eq, qd, qw, sd * sw, d_out.dtype), _scaled_dot(dw_eq, qx, qd, sx * sd, jnp.dtype(w_dtype))
+    return _scaled_dot(dx_eq, qd, qw, sd * sw, d_out.dtype), _scaled_dot(dw_eq, qx, qd, sx * sd, w.dtype)
 
 
-_einsum.defvjp(_forward, _backward)
+einsum.defvjp(_forward, _backward)
