@@ -131,7 +131,7 @@ def compute_flops(config: Config) -> dict:
     shares = {"layers": linear_share(layer_forward(llm_block(config), microbatch(config), local_seq(config)))}
     if config.model.kind == "vla":
         shares["vision"] = linear_share(layer_forward(vit_block(config), 1, patches_per_image(config.vision)))
-    return {"linear_shares": shares,"model_flops": model, "model_flops_per_device": model / config.mesh.size,
+    return {"linear_shares": shares, "model_flops": model, "model_flops_per_device": model / config.mesh.size,
             "executed_flops_per_device": llm["layers"] + llm["head"] + vision,
             "executed_parts": {"layers": llm["layers"], "head": llm["head"], "vision": vision},
             "layers_busy_flops_per_device": llm["layers_busy"],
