@@ -211,15 +211,15 @@ def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
     its memory the planner plans with and a GPU run gives XLA's allocator: hardware.memory_budget), and
     the library kernels it calls (cuDNN attention is taken only if the program has its custom calls; its
     forward calls are one per layer and microbatch, two where remat re-runs it in the backward)."""
+    from jaxpar.compiler.gpu_aot import cuda_version
+
     calls = hlo_flops.custom_call_counts(text)
     fmha = {target: n for target, n in calls.items() if target.startswith("__cudnn$fmha")}
     cudnn = sum(fmha.values())
     backward = sum(n for target, n in fmha.items() if "Backward" in target)
     gemms = sum(n for target, n in calls.items() if target.startswith("__cublas$"))
-    fp8_gemms = sum(n for target, n in calls.items() if target.startswith("__cublas$") and target.endswith("$f8"))
+    fp8_gemms = calls.get(hlo_flops.FP8_GEMM, 0)  # the one FP8 GEMM target hlo_flops prices
     usable = int(hardware.get(gpu.name).usable_bytes)  # whole bytes, as the rest of the report
-    from jaxpar.compiler.gpu_aot import cuda_version
-
     return {"target": gpu.name, "cuda_runtime": "%d.%d" % cuda_version(), "hbm_bytes": gpu.memory_bytes,
             "usable_bytes": usable,
             "fits": per_device["peak"] <= usable,
