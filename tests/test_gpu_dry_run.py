@@ -71,7 +71,8 @@ def test_cudnn_attention_under_auto_none_with_xla_and_every_bundle_flag_accepted
     done, report = dry_run(tmp_path, *TINY, "--gpu", "h100", "--config.model.attention=xla")
     assert done.returncode == 0, done.stderr[-2000:]
     assert report["kernels"] == {"attention": "xla", "cudnn_attention_calls": 0, "cudnn_attention_forward_calls": 0,
-                                 "cudnn_attention_backward_calls": 0, "gemm_calls": report["kernels"]["gemm_calls"]}
+                                 "cudnn_attention_backward_calls": 0, "gemm_calls": report["kernels"]["gemm_calls"],
+                                 "fp8_gemm_calls": 0}  # bf16: no GEMM is FP8
     assert report["kernels"]["gemm_calls"] > 0
 
 
