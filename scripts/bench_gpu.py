@@ -5,8 +5,8 @@
     python scripts/bench_gpu.py --smoke              # tiny model on CPU, same code path (tests/test_bench_gpu.py)
 
 Variants are names made of '-'-joined parts: an attention kernel (xla, cudnn; absent: auto), a remat
-policy (none, dots, selective, full), `tpN`, `dpN`, `zeroK`; e.g. `cudnn-selective`, `cudnn-tp8`,
-`dp8-zero3-full`. `--batch` is per data-parallel replica (global batch = batch x dp). Each variant runs
+policy (none, dots, selective, full), `tpN`, `dpN`, `zeroK`, a precision (bf16, fp8; absent: bf16);
+e.g. `cudnn-selective`, `cudnn-tp8`, `dp8-zero3-full`, `cudnn-selective-fp8`. `--batch` is per data-parallel replica (global batch = batch x dp). Each variant runs
 in its own process, so one that runs out of memory or time costs only its own row; its result is one
 JSON line on the child's stdout. Writes OUT_DIR/bench_gpu.json and OUT_DIR/bench_gpu.md after every
 variant, so a killed run keeps its rows. On GPUs the children run with jaxpar's XLA flag bundle
@@ -19,8 +19,12 @@ start-up, init, compile and 7 steps, so ~4 fit with room for a slow compile):
   picks cuDNN on H100 / H200), from fastest-if-it-fits to least memory;
 - xla with selective only: the attention kernel's own effect at the policy that runs on both (XLA's
   none materialises the [B, N, S, S] scores, the memory cuDNN avoids; selective recomputes them);
-- with several GPUs, also tp / ZeRO-1 / ZeRO-3 over all of them (cudnn, remat none); `--budget`
-  skips what no longer fits.
+- cudnn with selective in fp8 (precision=fp8, jaxpar.layers.fp8): FP8 GEMMs against the bf16 row of the
+  same layout, the ratio issue 47 estimates from the GPU compiler (a device without FP8 tensor cores,
+  A100, reports it skipped);
+- with several GPUs, also tp / ZeRO-1 / ZeRO-3 over all of them (cudnn, remat none), and ZeRO-3 in fp8;
+  `--budget` skips what no longer fits. MFU counts the model's FLOPs against the dense bf16 peak in
+  every row, fp8 too (as torchtitan and NeMo quote FP8 runs), so rows compare as throughput.
 """
 
 from __future__ import annotations
@@ -53,49 +57,66 @@ MODEL_SMOKE = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_k
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"  # CPU compile time
 REMATS = ("none", "dots", "selective", "full")
 ATTENTIONS = ("xla", "cudnn")  # model.attention; a name without one runs `auto`
+PRECISIONS = ("bf16", "fp8")  # precision; a name without one runs bf16
 
 
 # ----------------------------------------------------------------------------- variants and config
 
 def parse_variant(name: str, n_devices: int) -> dict:
-    """'cudnn-dp8-zero3-full' -> {attention, remat, dp, tp, zero}; zeroK without dpN spreads dp over the
-    devices tp leaves."""
-    spec, explicit_dp = {"attention": "auto", "remat": "none", "dp": 1, "tp": 1, "zero": 0}, False
+    """'cudnn-dp8-zero3-full-fp8' -> {attention, remat, dp, tp, zero, precision}; zeroK without dpN spreads
+    dp over the devices tp leaves."""
+    spec = {"attention": "auto", "remat": "none", "dp": 1, "tp": 1, "zero": 0, "precision": "bf16"}
+    explicit_dp = False
     for part in name.split("-"):
         if part in REMATS:
             spec["remat"] = part
         elif part in ATTENTIONS:
             spec["attention"] = part
+        elif part in PRECISIONS:
+            spec["precision"] = part
         elif m := re.fullmatch(r"(tp|dp|zero)(\d+)", part):
             spec[m[1]] = int(m[2])
             explicit_dp |= m[1] == "dp"
         else:
-            raise ValueError(f"variant '{name}': unknown part '{part}' (use {', '.join(ATTENTIONS + REMATS)}, "
-                             f"tpN, dpN, zeroK)")
+            raise ValueError(f"variant '{name}': unknown part '{part}' (use "
+                             f"{', '.join(ATTENTIONS + REMATS + PRECISIONS)}, tpN, dpN, zeroK)")
     if spec["zero"] and not explicit_dp:
         spec["dp"] = max(n_devices // spec["tp"], 1)
     return spec
 
 
 def default_variants(n_devices: int) -> list[str]:
-    """cuDNN x the three remat policies and XLA x selective on one device; with several devices also tp
-    and ZeRO-1/3 over all of them (the module docstring says why these)."""
-    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective"]
+    """cuDNN x the three remat policies, XLA x selective and cuDNN x selective in fp8 on one device; with
+    several devices also tp and ZeRO-1/3 over all of them, ZeRO-3 in fp8 too (the module docstring says why)."""
+    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective", "cudnn-selective-fp8"]
     if n_devices > 1:
-        names += [f"cudnn-tp{n_devices}", f"cudnn-dp{n_devices}-zero1", f"cudnn-dp{n_devices}-zero3"]
+        names += [f"cudnn-tp{n_devices}", f"cudnn-dp{n_devices}-zero1", f"cudnn-dp{n_devices}-zero3",
+                  f"cudnn-dp{n_devices}-zero3-fp8"]
     return names
 
 
 def needs_gpu(spec: dict) -> str | None:
-    """Why a variant cannot run without a GPU (reported as skipped on CPU), or None."""
+    """Why a variant cannot run without a GPU (reported as skipped on CPU), or None. fp8 runs on CPU
+    (XLA:CPU upcasts FP8 dots: the code path, not the speed)."""
     return "cuDNN flash attention needs a GPU" if spec["attention"] == "cudnn" else None
 
 
+def lacks_fp8(spec: dict, device_kind: str) -> str | None:
+    """Why an fp8 variant cannot run on a GPU of `device_kind` (no FP8 tensor cores: jaxpar refuses
+    precision=fp8 there), or None; a GPU jaxpar has no profile for is left to try."""
+    from jaxpar.compiler.hardware import profile_for
+
+    hw = profile_for(device_kind)
+    if spec["precision"] == "fp8" and hw is not None and not hw.fp8_peak_flops:
+        return f"precision=fp8 needs FP8 tensor cores, which {hw.name} lacks"
+    return None
+
+
 def make_config(spec: dict, args) -> Config:
-    """bf16 config of one variant; the global batch keeps `--batch` sequences per dp replica."""
+    """The config of one variant (bf16 unless it says fp8); the global batch keeps `--batch` sequences per dp replica."""
     steps = args.warmup + args.steps
     config = Config(mesh=MeshConfig(dp=spec["dp"], tp=spec["tp"]), zero=ZeroConfig(stage=spec["zero"]),
-                    precision="bf16", remat=RematConfig(policy=spec["remat"]),
+                    precision=spec["precision"], remat=RematConfig(policy=spec["remat"]),
                     model=dataclasses.replace(MODEL_SMOKE if args.smoke else MODEL_1B, attention=spec["attention"]),
                     train=TrainConfig(steps=steps, global_batch_size=args.batch * spec["dp"], seq_len=args.seq,
                                       warmup_steps=0))
@@ -236,7 +257,8 @@ def fmt(value, spec: str) -> str:
 
 def markdown(report: dict) -> str:
     """The summary table (one row per variant) under a few lines saying what was measured where."""
-    lines = [f"# bench_gpu: Llama of {report['model']['params']:,} parameters, bf16, seq {report['seq']}, "
+    lines = [f"# bench_gpu: Llama of {report['model']['params']:,} parameters, bf16 (fp8 where the variant says), "
+             f"seq {report['seq']}, "
              f"batch {report['batch']} per dp replica",
              "", f"- device: {report['device_count']} x {report['device_kind']}, jax {report['jax_version']}",
              f"- MFU peak: {report['peak_source']}",
@@ -321,6 +343,8 @@ def run_one(args, name: str, facts: dict, left: float) -> dict:
         return {"error": str(err)}
     if facts["platform"] != "gpu" and (why := needs_gpu(spec)):
         return {"skipped": f"skipped: {why} ({facts['platform'].upper()} here)", "error": None}
+    if facts["platform"] == "gpu" and (why := lacks_fp8(spec, facts["device_kind"])):
+        return {"skipped": f"skipped: {why}", "error": None}
     if left < 20:
         return {"error": f"skipped: --budget {args.budget:g} s used up"}
     return spawn(args, ["--child", name, "--n_devices", str(facts["device_count"])], timeout=min(args.timeout, left))

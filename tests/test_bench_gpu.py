@@ -58,10 +58,10 @@ def check_rows(report: dict, names: list[str], out_dir: pathlib.Path, skipped=()
 
 @pytest.mark.slow  # make test's 15-minute budget (CI runs make test-slow too)
 def test_smoke_default_variants(tmp_path):
-    """The one-GPU defaults on CPU: the cudnn variants are skipped (exit 0), xla-selective runs."""
+    """The one-GPU defaults on CPU: the cudnn variants (fp8's too) are skipped (exit 0), xla-selective runs."""
     report = run_smoke(tmp_path)
-    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective"]
-    check_rows(report, names, tmp_path, skipped=names[:3])
+    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective", "cudnn-selective-fp8"]
+    check_rows(report, names, tmp_path, skipped=names[:3] + names[4:])
     assert report["xla_flags"] == USER_XLA_FLAGS  # the user's flags, and no GPU bundle added on CPU
     assert report["precision"] == "bf16" and report["platform"] == "cpu" and report["device_count"] == 1
     assert report["jax_version"] and "--smoke" in report["command"]
@@ -70,28 +70,37 @@ def test_smoke_default_variants(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_multi_device_variants(tmp_path):
-    """tp and ZeRO-1/3 (the several-GPU variants) on emulated CPU devices."""
-    names = ["xla-tp2", "dp2-zero1", "dp2-zero3-full"]
+    """tp and ZeRO-1/3 (the several-GPU variants) on emulated CPU devices, ZeRO-3 in fp8 too."""
+    names = ["xla-tp2", "dp2-zero1", "dp2-zero3-full", "dp2-zero3-full-fp8"]
     report = run_smoke(tmp_path, "--variants", ",".join(names))
     check_rows(report, names, tmp_path)
-    assert [r["global_batch"] for r in report["variants"]] == [4, 8, 8]  # --batch is per dp replica
+    assert [r["global_batch"] for r in report["variants"]] == [4, 8, 8, 8]  # --batch is per dp replica
+    assert [r["precision"] for r in report["variants"]] == ["bf16", "bf16", "bf16", "fp8"]
+    bf16, fp8 = report["variants"][2:]  # the same data and init: FP8 rounding moves the loss, a little
+    assert fp8["loss"] != bf16["loss"] and fp8["loss"] == pytest.approx(bf16["loss"], rel=0.02)
 
 
 def test_variant_names_and_defaults():
     bench = load_bench()
     assert bench.parse_variant("selective", 1) == {"attention": "auto", "remat": "selective", "dp": 1, "tp": 1,
-                                                   "zero": 0}
-    assert bench.parse_variant("zero3", 8) == {"attention": "auto", "remat": "none", "dp": 8, "tp": 1, "zero": 3}
-    assert bench.parse_variant("cudnn-tp2-zero1-full", 8) == {"attention": "cudnn", "remat": "full", "dp": 4,
-                                                              "tp": 2, "zero": 1}
+                                                   "zero": 0, "precision": "bf16"}
+    assert bench.parse_variant("zero3", 8) == {"attention": "auto", "remat": "none", "dp": 8, "tp": 1, "zero": 3,
+                                               "precision": "bf16"}
+    assert bench.parse_variant("cudnn-tp2-zero1-full-fp8", 8) == {"attention": "cudnn", "remat": "full", "dp": 4,
+                                                                  "tp": 2, "zero": 1, "precision": "fp8"}
     assert bench.parse_variant("xla-none", 1)["attention"] == "xla"
     with pytest.raises(ValueError, match="unknown part 'pp2'"):
         bench.parse_variant("pp2", 8)
-    one = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective"]
+    one = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective", "cudnn-selective-fp8"]
     assert bench.default_variants(1) == one
-    assert bench.default_variants(8) == one + ["cudnn-tp8", "cudnn-dp8-zero1", "cudnn-dp8-zero3"]
+    assert bench.default_variants(8) == one + ["cudnn-tp8", "cudnn-dp8-zero1", "cudnn-dp8-zero3", "cudnn-dp8-zero3-fp8"]
     assert [bool(bench.needs_gpu(bench.parse_variant(n, 8))) for n in bench.default_variants(8)] == \
-        [True, True, True, False, True, True, True]
+        [True, True, True, False, True, True, True, True, True]
+    # fp8 variants on a GPU without FP8 tensor cores are skipped, with the reason; Hopper runs them
+    fp8 = bench.parse_variant("cudnn-selective-fp8", 1)
+    assert bench.lacks_fp8(fp8, "NVIDIA A100-SXM4-80GB") == "precision=fp8 needs FP8 tensor cores, which a100-80gb lacks"
+    assert bench.lacks_fp8(fp8, "NVIDIA H100 80GB HBM3") is None and bench.lacks_fp8(fp8, "NVIDIA H200") is None
+    assert bench.lacks_fp8(bench.parse_variant("cudnn-selective", 1), "NVIDIA A100-SXM4-80GB") is None
 
 
 def test_bench_model_is_about_1b_and_valid():
@@ -103,7 +112,7 @@ def test_bench_model_is_about_1b_and_valid():
     for name in bench.default_variants(8):
         spec = bench.parse_variant(name, 8)
         config = bench.make_config(spec, args)  # validates the layout
-        assert config.precision == "bf16" and config.train.seq_len == 2048
+        assert config.precision == spec["precision"] and config.train.seq_len == 2048
         assert config.model.attention == spec["attention"] and config.model.head_dim == 128  # cuDNN-friendly
     assert 0.8e9 < param_count(bench.MODEL_1B) < 1.2e9
 

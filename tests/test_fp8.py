@@ -170,3 +170,26 @@ def test_the_fp8_vla_tracks_one_device_within_fp8_rounding(mesh, vision_tp):
     np.testing.assert_allclose(losses, ref_losses, rtol=FP8_LOSS_RTOL)
     grads_near(grads, ref_grads, bf16_grads)
     assert abs(bf16_losses[0] - ref_losses[0]) > 1e-6 * ref_losses[0]  # the FP8 GEMMs really ran
+
+
+@pytest.mark.slow  # make test's budget: three short runs (resume stays in make test: tests/test_checkpoint.py)
+def test_an_fp8_run_resumes_exactly_and_onto_another_layout(tmp_path):
+    """Issue 47's resume target: current scaling keeps no state, so an fp8 checkpoint is bf16's (fp32 master,
+    optimizer state) and a resumed run is bit-identical to the uninterrupted one on its layout; resharded
+    (dp 2 tp 4 ZeRO-1 -> dp 4 tp 2 ZeRO-3) it tracks it within fp8's layout tolerance (FP8_LOSS_RTOL)."""
+    from test_checkpoint import drop_checkpoints_after, with_checkpoints
+    from conftest import builder_for
+    from jaxpar.training.loop import train
+
+    def losses(config, workdir):
+        return [r["loss"] for r in train(config, builder_for(config).mesh, workdir, show_progress=False)]
+
+    config = with_checkpoints(make_config(dp=2, tp=4, stage=1, steps=6, lr=3e-3, precision="fp8"), every=3)
+    full = losses(config, tmp_path)
+    _, bf16_losses, _ = single_device("bf16")
+    assert full[0] != pytest.approx(bf16_losses[0], rel=1e-5)  # the FP8 GEMMs ran
+    drop_checkpoints_after(tmp_path, 3)
+    assert losses(config, tmp_path) == full[3:]  # bit-identical
+    drop_checkpoints_after(tmp_path, 3)
+    other = with_checkpoints(make_config(dp=4, tp=2, stage=3, steps=6, lr=3e-3, precision="fp8"), every=3)
+    np.testing.assert_allclose(losses(other, tmp_path), full[3:], rtol=FP8_LOSS_RTOL)
