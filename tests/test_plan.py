@@ -623,15 +623,32 @@ def test_the_plan_names_the_select_nan_guard_where_the_conditionals_copy_is_the_
 @pytest.mark.parametrize("name", ["llama7b.py", "vla70b.py"])
 def test_fp8_prices_the_linear_gemms_at_the_fp8_peak_and_nothing_else(name):
     """precision=fp8 on H100: only the layers' (and the encoder's) weight GEMMs move to the FP8 peak (twice
-    bf16's), so the planned matmul time falls by less than half; the head, the attention core, the memory-bound
-    kernels and every collective are priced as under bf16."""
+    bf16's), so the planned matmul time falls by less than half; the head, the attention core, the other
+    memory-bound kernels and every collective are priced as under bf16, and current scaling's quantization
+    passes are added (test_fp8_quantization_bytes_by_hand)."""
     hw = hardware.get("h100-80gb")
     bf16 = load_config(name, ["precision=bf16"])
     planned = {p: cost.step_time(dataclasses.replace(bf16, precision=p), hw, 8) for p in ("bf16", "fp8")}
     assert planned["bf16"]["matmul_s"] / 2 < planned["fp8"]["matmul_s"] < 0.75 * planned["bf16"]["matmul_s"]
-    for key in ("memory_s", "launch_s", "tp_comm_s", "dp_comm_s", "pp_comm_s"):
+    for key in ("launch_s", "tp_comm_s", "dp_comm_s", "pp_comm_s"):
         assert planned["fp8"][key] == planned["bf16"][key], key
+    fp8_parts, bf16_parts = planned["fp8"]["memory_parts"], planned["bf16"]["memory_parts"]
+    assert bf16_parts["fp8"] == 0 < fp8_parts["fp8"]
+    assert {k: v for k, v in fp8_parts.items() if k != "fp8"} == {k: v for k, v in bf16_parts.items() if k != "fp8"}
     flops = cost.compute_flops(bf16)
     head_s = flops["executed_parts"]["head"] / (hw.peak_flops * hw.matmul_efficiency)
     layers_bf16 = planned["bf16"]["matmul_s"] - head_s
     assert planned["fp8"]["matmul_s"] - head_s > layers_bf16 / 2  # the attention core stays bf16
+
+
+def test_fp8_quantization_bytes_by_hand():
+    """llama7b as configured (dp 8, ZeRO-3, remat none: one forward and one backward per layer, no pipeline), one
+    H100: per layer, 4096 tokens x (inputs 2 x 4096 + 4096 + 11008 + output gradients 4096 + 2 x 4096 + 2 x 4096 +
+    2 x 11008) and the layer's 202,383,360 local parameters twice (forward, backward), 5 bytes each (bf16 read
+    twice, FP8 written), 32 layers, at 3.35 TB/s (bf16's 0: the test above)."""
+    config = load_config("llama7b.py", ["precision=fp8"])
+    per_layer = 4096 * ((2 * 4096 + 4096 + 11008) + (4096 + 2 * 4096 + 2 * 4096 + 2 * 11008)) + 2 * 202_383_360
+    assert memory.local_params(config)["llm_layers"] == 32 * 202_383_360  # 4 x 4096^2 + 3 x 4096 x 11008 + 2 norms
+    expected_s = 5 * per_layer * 32 / 3.35e12
+    planned = cost.step_time(config, hardware.get("h100-80gb"), 8)["memory_parts"]["fp8"]
+    assert planned == pytest.approx(expected_s, rel=1e-12)

@@ -27,6 +27,11 @@ t tokens, local widths d, q, kv, f of one tp rank):
   per parameter) and each backward writes its gradients into the stacked gradient (c).
 - ZeRO-3: each layer pass writes and reads the gathered weights (2 c per parameter) and the backward
   the fp32 gradient before its reduce-scatter (8 bytes per parameter).
+- precision=fp8's current scaling (jaxpar.layers.fp8): every operand of a layer's FP8 GEMMs is read for
+  its amax, read again and written in FP8 (FP8_QUANTIZE_BYTES = 2 c + 1 per element): per forward pass the
+  linears' inputs (q / k / v share theirs, as do gate / up: t (2 d + q + f)) and their weights, per backward
+  the output gradients (t (q + 2 kv + 2 d + ups f)) and the weights again (the forward's FP8 weight is not
+  kept). None on a device without FP8 tensor cores (A100 refuses fp8) or in bf16.
 - launches: KERNELS_PER_LAYER_PASS kernels per executed layer pass at hardware.KERNEL_LAUNCH_S.
 Where the constants come from: LAYER_D, BACKWARD_RATIO, WEIGHT_SLICE_BYTES and ACCUMULATE_BYTES from
 counting the kernels' bytes (the last two found in the seed's vla70b program on 64 A100s); the two
@@ -114,10 +119,25 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
         zero3 = per_layer * (2 * c * sum(passes.values()) + 8 * passes["backward"])
     # each B (zb: W) slot adds its chunk's gradients into the fp32 accumulators: per layer of it
     accumulate = ACCUMULATE_BYTES * per_layer * grad_passes if mesh.pp > 1 else 0.0
+    fp8 = fp8_quantize_bytes(config, hw, blk, t, per_layer, passes)
     rate = hw.hbm_tbps * 1e12
     parts = {"layers": layers / rate, "attention": attention / rate, "optimizer": optimizer / rate,
              "head": head / rate, "zero3": zero3 / rate, "accumulate": accumulate / rate,
-             "weights": weights / rate}
+             "weights": weights / rate, "fp8": fp8 / rate}
     layer_passes_run = passes["forward"] + passes["backward"] + passes["recomputed"]
     launches = (KERNELS_PER_LAYER_PASS * layer_passes_run + KERNELS_PER_WEIGHT_PASS * passes["weight"]) * KERNEL_LAUNCH_S
     return {"memory_s": sum(parts.values()), "memory_parts": parts, "launch_s": launches}
+
+
+def fp8_quantize_bytes(config: Config, hw: Hardware, blk, t: int, per_layer: float, passes: dict[str, float]) -> float:
+    """HBM bytes per step of precision=fp8's quantization passes (module docstring): 0 unless the layers'
+    GEMMs run in FP8 on this device."""
+    if config.precision != "fp8" or not hw.fp8_peak_flops:
+        return 0.0
+    per_element = 2 * 2 + 1  # bf16 compute (fp8's): read for the amax, read to convert, write the FP8 copy
+    ups = 2 if blk.gated else 1
+    inputs = t * (2 * blk.d + blk.q + blk.f)  # attention's (q / k / v), o's, the MLP's (gate / up), down's
+    output_grads = t * (blk.q + 2 * blk.kv + 2 * blk.d + ups * blk.f)
+    forwards = passes["forward"] + passes["recomputed"]
+    return per_element * (inputs * forwards + output_grads * passes["backward"]
+                          + per_layer * (forwards + passes["backward"]))
