@@ -156,6 +156,13 @@ def is_axes_leaf(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
+def leaf_names(axes_tree: Any) -> list[str]:
+    """The name (last dict key) of every array of a logical-axes tree, in its flattening order: which
+    weight a leaf is (e.g. "wq"), where a mechanism applies to some weights only (fp8.zero3_gather)."""
+    paths = jax.tree_util.tree_flatten_with_path(axes_tree, is_leaf=is_axes_leaf)[0]
+    return [str(getattr(path[-1], "key", "")) if path else "" for path, _ in paths]
+
+
 def tree_specs(axes_tree: Any, zero_sharded: bool = False, unused_axes=(), rules: Rules = LLM_RULES) -> Any:
     return jax.tree.map(lambda axes: logical_to_spec(axes, zero_sharded, unused_axes, rules), axes_tree,
                         is_leaf=is_axes_leaf)

@@ -36,7 +36,7 @@ def rounded(x, dtype) -> np.ndarray:
 def test_scales_are_exact_powers_of_two_that_fit_the_amax():
     for dtype in (fp8.FORWARD, fp8.BACKWARD):
         top = float(jnp.finfo(dtype).max)
-        for amax in (3.36, 0.0854, 1e-30, 448.0, 449.0, 1e5, 57344.0):
+        for amax in (3.36, 0.0854, 1e-30, 448.0, 449.0, 1e5, 57344.0, top * 2.0 ** -30, top * 2.0 ** 7):  # log2 missed 2^-30
             scale = float(fp8.scale_for(jnp.float32(amax), dtype))
             mantissa, _ = np.frexp(scale)
             assert mantissa == 0.5, (amax, scale)  # exactly a power of two
@@ -193,3 +193,41 @@ def test_an_fp8_run_resumes_exactly_and_onto_another_layout(tmp_path):
     drop_checkpoints_after(tmp_path, 3)
     other = with_checkpoints(make_config(dp=4, tp=2, stage=3, steps=6, lr=3e-3, precision="fp8"), every=3)
     np.testing.assert_allclose(losses(other, tmp_path), full[3:], rtol=FP8_LOSS_RTOL)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])  # full: ZeRO-3 prefetch's layer scan gathers (zero.prefetching_layer_scan)
+def test_zero3_gathers_fp8_weights_that_give_the_bf16_gathers_results_bit_for_bit(remat):
+    """fp8.zero3_gather=fp8 moves each linear's weight as E4M3 with the whole weight's scale; dequantized it is
+    its FP8 values times a power of two, which the FP8 GEMM quantizes again to the same products: losses,
+    gradients and the updated weights equal bf16 gathers' exactly, while the dp all-gathers move half the bytes."""
+    base = dataclasses.replace(make_config(dp=2, tp=4, stage=3, precision="fp8"),
+                               remat=dataclasses.replace(make_config().remat, policy=remat))
+    runs = {how: run(dataclasses.replace(base, fp8=dataclasses.replace(base.fp8, zero3_gather=how)))
+            for how in ("fp8", "bf16")}
+    (grads, losses, state), (bf16_grads, bf16_losses, bf16_state) = runs["fp8"], runs["bf16"]
+    np.testing.assert_array_equal(losses, bf16_losses)
+    jax.tree.map(np.testing.assert_array_equal, grads, bf16_grads)
+    jax.tree.map(np.testing.assert_array_equal, state.params, bf16_state.params)
+
+
+def test_zero3_fp8_gathers_move_one_byte_per_linear_weight_element():
+    """The compiled step's dp all-gathers (jaxpar.compiler.hlo_collectives): each linear's tp-4 shard of weights
+    gathered as uint8 in the forward and again in the backward (ZeRO-3 never keeps a gathered weight: a dequantized
+    weight handed on as an array was kept instead, and gathered once), where bf16 gathers moved two bytes an
+    element; the norms, the embedding and the head are gathered as before."""
+    from conftest import TINY_MODEL, builder_for
+    from jaxpar.compiler import hlo_collectives
+    from jaxpar.compiler.dry_run import compile_step
+    m = TINY_MODEL
+    linear = m.n_layers * (2 * m.d_model * m.n_heads * m.head_dim + 2 * m.d_model * m.n_kv_heads * m.head_dim
+                           + 3 * m.d_model * m.d_ff) // 4  # elements of the linears' tp-4 shards
+    gathered = {}
+    for how in ("fp8", "bf16"):
+        config = make_config(dp=2, tp=4, stage=3, precision="fp8")
+        builder = builder_for(dataclasses.replace(config, fp8=dataclasses.replace(config.fp8, zero3_gather=how)))
+        _, compiled, _ = compile_step(builder, builder.abstract_state())
+        gathered[how] = {e["dtype"]: e["bytes"] for e in hlo_collectives.collectives(compiled.as_text(), builder.mesh)
+                         if e["op"] == "all-gather" and e["axis"] == "dp"}
+    assert gathered["fp8"]["u8"] == 2 * linear and "u8" not in gathered["bf16"]
+    # XLA:CPU widens bf16 all-gathers to f32 (4 bytes an element): the linears' moved there before
+    assert gathered["bf16"]["f32"] - gathered["fp8"]["f32"] == 4 * 2 * linear

@@ -4,7 +4,7 @@ a mistake costs no JAX start-up. jaxpar.config re-exports `validate` and the hel
 
 from __future__ import annotations
 
-from jaxpar.config.schema import (ATTENTION_KINDS, FP8_RECIPES, NAN_GUARDS, OFFLOAD_UPDATES, PIPELINE_SCHEDULES,
+from jaxpar.config.schema import (ATTENTION_KINDS, FP8_GATHERS, FP8_RECIPES, NAN_GUARDS, OFFLOAD_UPDATES, PIPELINE_SCHEDULES,
                                   REMAT_POLICIES, RESIZE_FILTERS, ActionConfig, Config, VisionConfig,
                                   vla_sequence_layout)
 from jaxpar.errors import ConfigError
@@ -53,6 +53,8 @@ def _validate_ranges(config: Config) -> None:
              f"precision='{config.precision}' is unknown; use fp32, bf16 or fp8")
     _require(config.fp8.recipe in FP8_RECIPES, f"fp8.recipe='{config.fp8.recipe}' is unknown; use current (delayed "
                                                 f"scaling, with an amax history in the train state, is not built yet)")
+    _require(config.fp8.zero3_gather in FP8_GATHERS,
+             f"fp8.zero3_gather='{config.fp8.zero3_gather}' is unknown; use fp8 or bf16")
     _require(config.precision != "fp8" or config.pipeline.schedule != "zb",
              "precision=fp8 with pipeline.schedule=zb is not supported yet (zb defers the weight GEMMs outside "
              "the FP8 linear); use pipeline.schedule=1f1b")

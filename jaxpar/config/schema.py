@@ -143,6 +143,7 @@ REMAT_POLICIES = ("none", "dots", "selective", "offload", "full")  # jaxpar.para
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb")
 ATTENTION_KINDS = ("auto", "xla", "cudnn")  # jaxpar.compiler.attention_choice
 FP8_RECIPES = ("current",)  # jaxpar.layers.fp8
+FP8_GATHERS = ("fp8", "bf16")  # fp8.zero3_gather
 # vision.resize: "area" (box down, bilinear up) or a PIL resampling filter (jaxpar.data.video.resize)
 RESIZE_FILTERS = ("area", "nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
 
@@ -340,9 +341,12 @@ class CompileConfig:
 class Fp8Config:
     """precision=fp8 (jaxpar.layers.fp8): how the FP8 GEMMs scale their operands. `current`: each
     operand's own amax in each GEMM, a power-of-two scale (Megatron's current scaling; no state). The
-    delayed recipe (an amax history carried in the train state) is issue 47's next step."""
+    delayed recipe (an amax history carried in the train state) is issue 47's next step.
+    `zero3_gather`: how ZeRO-3 gathers the linear layers' weights, `fp8` (as E4M3 with the whole weight's
+    scale: half of bf16's bytes, and the GEMMs get the same FP8 weights, bit for bit) or `bf16`."""
 
     recipe: str = "current"
+    zero3_gather: str = "fp8"
 
 
 @dataclasses.dataclass(frozen=True)

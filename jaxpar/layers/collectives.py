@@ -19,7 +19,7 @@ from jaxpar.layers.blockwise import balanced_order  # noqa: F401  (re-exported)
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
 from jaxpar.layers.order import (backward_ordered, chain_both_ways, cotangent_after, cotangent_summed,
                                  ordered_both_ways, ordering_on)
-from jaxpar.sharding import is_axes_leaf
+from jaxpar.sharding import is_axes_leaf, leaf_names
 
 
 def varying_of(aval) -> frozenset:
@@ -37,6 +37,18 @@ def typed_like(w: jax.Array, x: jax.Array) -> jax.Array:
     must be handed it so: its weight gradient then has the weight's type, and JAX sums it outside)."""
     missing = tuple(sorted(varying_of(jax.typeof(x)) - varying_of(jax.typeof(w))))
     return jax.lax.pcast(w, missing, to="varying") if missing else w
+
+
+def _array_of(w):
+    """A weight's array: itself, or an fp8.Gathered's dequantized weight (its shape and type)."""
+    return w.weight if isinstance(w, fp8.Gathered) else w
+
+
+def _each_array(fn: Callable, w):
+    """fn(w), or for an fp8.Gathered fn of its weight and of its bits (the per-tensor scale stays)."""
+    if isinstance(w, fp8.Gathered):
+        return dataclasses.replace(w, weight=fn(w.weight), bits=fn(w.bits))
+    return fn(w)
 
 
 def _as_tuple(axes) -> tuple[str, ...]:
@@ -78,6 +90,8 @@ class Collectives:
     # precision=fp8: `linear`'s GEMMs in FP8 (jaxpar.layers.fp8). Not a parallel concern, but `linear` is the
     # one hook every linear layer calls, single-device model included (the runtime builds the Collectives)
     fp8: bool = False
+    # fp8.zero3_gather=fp8: the weights of these names (the models' LINEAR_WEIGHTS) are ZeRO-3-gathered as E4M3
+    fp8_gathered: frozenset = frozenset()
 
     def context_positions(self, local_len: int) -> jax.Array | None:
         """This rank's token positions in the whole sequence (its slice of balanced_order); None
@@ -112,6 +126,8 @@ class Collectives:
             return self.weight_grads.linear(equation, x, w)
         if self.fp8:  # a custom_vjp returns its inputs' types: each operand is typed as varying where the
             # other does (a tp-invariant input of a column linear, the ViT's: its gradient's tp sum is the cast's)
+            if isinstance(w, fp8.Gathered):  # gathered in FP8 (fp8.zero3_gather): its bits feed the GEMM
+                return fp8.einsum(equation, typed_like(x, w.weight), typed_like(w.weight, x), (w.bits, w.scale))
             return fp8.einsum(equation, typed_like(x, w), typed_like(w, x))
         return jnp.einsum(equation, x, w)
 
@@ -256,8 +272,9 @@ class Collectives:
         transpose of its implicit broadcast to tp-varying)."""
         if not (self.kv_heads_replicated and self.tp_axis):
             return w_DxKxH
-        ranks_per_head = jax.lax.axis_size(self.tp_axis) // w_DxKxH.shape[1]
-        return jax.lax.dynamic_slice_in_dim(w_DxKxH, self.tp_rank() // ranks_per_head, 1, axis=1)
+        ranks_per_head = jax.lax.axis_size(self.tp_axis) // _array_of(w_DxKxH).shape[1]
+        return _each_array(lambda w: jax.lax.dynamic_slice_in_dim(w, self.tp_rank() // ranks_per_head, 1, axis=1),
+                           w_DxKxH)
 
     def kv_weights(self, x_BxSxD: jax.Array, wk_DxKxH: jax.Array, wv_DxKxH: jax.Array):
         """(x, wk, wv) for the K and V projections of `x`: this rank's KV heads (local_kv_heads). A KV
@@ -268,11 +285,11 @@ class Collectives:
         XLA:CPU a possible deadlock, jaxpar.layers.order)."""
         if self.kv_heads_replicated or not self.tp_axis:
             return x_BxSxD, self.local_kv_heads(wk_DxKxH), self.local_kv_heads(wv_DxKxH)
-        shared = tuple(a for a in _as_tuple(self.tp_axis) if a not in varying_of(jax.typeof(wk_DxKxH)))
+        shared = tuple(a for a in _as_tuple(self.tp_axis) if a not in varying_of(jax.typeof(_array_of(wk_DxKxH))))
         if not shared:
             return x_BxSxD, wk_DxKxH, wv_DxKxH
         x_BxSxD, (wk_DxKxH, wv_DxKxH) = backward_ordered(x_BxSxD, (wk_DxKxH, wv_DxKxH))
-        return x_BxSxD, *(jax.lax.pcast(w, shared, to="varying") for w in (wk_DxKxH, wv_DxKxH))
+        return x_BxSxD, *(_each_array(lambda a: jax.lax.pcast(a, shared, to="varying"), w) for w in (wk_DxKxH, wv_DxKxH))
 
     def tp_max(self, x: jax.Array) -> jax.Array:
         return jax.lax.pmax(x, self.tp_axis) if self.tp_axis else x
@@ -329,16 +346,18 @@ class Collectives:
         if not self.zero3_axis:
             return params
 
-        def gather(w, axes):
+        def gather(w, axes, scale):
             full = self.zero_hooks.gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis),
-                                                self.grad_reduce_dtype)(w)
-            return checkpoint_name(full, self.zero_hooks.gathered_name)
+                                                self.grad_reduce_dtype, scale)(w)
+            return jax.tree.map(lambda a: checkpoint_name(a, self.zero_hooks.gathered_name), full)  # (fp8.Gathered)
 
         # offload.params: host shards copied in (zero.copied_in); with a gradient, (shard, gradient sink) pairs
         # (zero.with_sinks), which the gather takes whole
         axes_leaves, structure = jax.tree.flatten(logical_axes, is_leaf=is_axes_leaf)
         shards = [self.zero_hooks.copy_in(w) for w in structure.flatten_up_to(params)]
-        return structure.unflatten(chain_both_ways(gather, shards, axes_leaves, start=start,
+        scales, start = self.zero_hooks.fp8_gather_scales(shards, leaf_names(logical_axes), self.fp8_gathered,
+                                                          self.zero3_axis, start)
+        return structure.unflatten(chain_both_ways(gather, shards, axes_leaves, scales, start=start,
                                                   is_leaf=lambda v: isinstance(v, tuple)))
 
     def scan_layers(self, layer_fn: Callable, x: jax.Array, stacked: Any, layer_axes: Any,
@@ -354,7 +373,7 @@ class Collectives:
             return self.weight_grads.scan_layers(layer_fn, x, stacked, remat_policy)
         if self.zero3_axis and self.zero3_prefetch:
             return self.zero_hooks.prefetching_layer_scan(layer_fn, x, stacked, layer_axes, self.zero3_axis,
-                                               self.zero_logical_axis, self.grad_reduce_dtype)
+                                               self.zero_logical_axis, self.grad_reduce_dtype, self.fp8_gathered)
 
         def body(x, weights):
             if not self.taps_weights:  # nothing to gather, and the layer's collectives are ordered by its

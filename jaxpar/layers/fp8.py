@@ -29,6 +29,7 @@ What and why:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -42,12 +43,15 @@ BACKWARD = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344 (thei
 
 def scale_for(amax: jax.Array, dtype) -> jax.Array:
     """The power-of-two scale that maps `amax` into `dtype`'s range: 2^ceil(log2(amax / max)), 1 for an
-    all-zero tensor (fp32 scalar). Built from its exponent bits, so it is exactly a power of two (XLA:CPU's
-    exp2 is not: exp2(-13.0) came out 1.2207025e-4, and FP8 values then depended on the scale). The
+    all-zero tensor (fp32; any shape). Read from and built from exponent bits, so it is exactly a power
+    of two (XLA:CPU's exp2 is not: exp2(-13.0) came out 1.2207025e-4, and FP8 values then depended on
+    the scale) and an amax at an exact power of two times the max gets exactly that power (a log2 a hair
+    above it would double the scale: the FP8 ZeRO-3 gather's dequantized weights hit such amaxes). The
     exponent is clamped so the scale stays a normal fp32 number."""
     top = float(jnp.finfo(dtype).max)
-    exponent = jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, top) / top))
-    biased = jnp.clip(exponent, -120.0, 120.0).astype(jnp.int32) + 127  # fp32's exponent bias
+    bits = jax.lax.bitcast_convert_type(jnp.where(amax > 0, amax, top).astype(jnp.float32) / top, jnp.int32)
+    exponent = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)  # ceil(log2) of a positive float
+    biased = jnp.clip(exponent, -120, 120) + 127  # fp32's exponent bias
     return jax.lax.bitcast_convert_type(biased << 23, jnp.float32)
 
 
@@ -60,6 +64,39 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(x32 / scale, -top, top).astype(dtype), scale
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """A linear's weight as ZeRO-3 gathered it in FP8 (fp8.zero3_gather=fp8), for `Collectives.linear`.
+    `bits` and `scale` are what the GEMMs use; `weight`, the dequantized weight, is what the gradient is
+    taken of (straight through the quantization, as the FP8 GEMM's own) and is never computed where
+    nothing reads it. `einsum` keeps `bits` for the backward, never `weight`: a remat policy that keeps
+    no gathered weight (jaxpar.parallel.zero.never_keep_gathered) then regathers the bits, where a
+    dequantized weight handed on as an array would be kept whole from the forward to the backward."""
+
+    weight: jax.Array
+    bits: jax.Array  # E4M3 values as uint8 (collectives on FP8 types are not supported everywhere)
+    scale: jax.Array
+
+
+def all_gather_fp8(shard: jax.Array, scale: jax.Array, axis, dim: int) -> Gathered:
+    """all_gather(shard) over `axis` on `dim`, moved as E4M3 (one byte an element, half of bf16's) with
+    `scale` (the whole weight's: `scale_for` of the max over `axis` of the shards' amaxes): ZeRO-3's
+    gather of a linear's weight under fp8. The FP8 values are those `quantize` gives the whole weight,
+    so the GEMMs compute what a bf16 gather gives them, bit for bit (tests/test_fp8.py); dequantized,
+    the weight is its FP8 values times a power of two, exact in bf16."""
+    top = float(jnp.finfo(FORWARD).max)
+    q = jnp.clip(shard.astype(jnp.float32) / scale, -top, top).astype(FORWARD)
+    bits = jax.lax.all_gather(jax.lax.bitcast_convert_type(q, jnp.uint8), axis, axis=dim, tiled=True)
+    weight = (jax.lax.bitcast_convert_type(bits, FORWARD).astype(jnp.float32) * scale).astype(shard.dtype)
+    return Gathered(weight, bits, scale)
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """max |x| in fp32, with no gradient (scales are chosen, not learned)."""
+    return jnp.max(jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32)))
+
+
 def _scaled_dot(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """einsum(equation, a, b) of FP8 operands in the form XLA's GPU compiler turns into one FP8 GEMM."""
     product = jnp.einsum(equation, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
@@ -67,28 +104,40 @@ def _scaled_dot(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dty
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def einsum(equation: str, x: jax.Array, w: jax.Array, quantized_w: tuple | None = None) -> jax.Array:
     """einsum(equation, x, w) as an FP8 GEMM, in x's dtype; its backward two FP8 GEMMs (dX, dW), the
-    weight gradient in w's dtype."""
-    return _forward(equation, x, w)[0]
+    weight gradient in w's dtype. `quantized_w`: w's FP8 (bits, scale) already made (a `Gathered`
+    weight's), used in place of quantizing w, which is then read by nothing."""
+    return _forward(equation, x, w, quantized_w)[0]
 
 
-def _forward(equation, x, w):
+def _weight_fp8(w, quantized_w):
+    if quantized_w is None:
+        return quantize(w, FORWARD)
+    bits, scale = quantized_w
+    return jax.lax.bitcast_convert_type(bits, FORWARD), scale
+
+
+def _forward(equation, x, w, quantized_w):
     qx, sx = quantize(x, FORWARD)
-    qw, sw = quantize(w, FORWARD)
+    qw, sw = _weight_fp8(w, quantized_w)
     # the FP8 residual kept as its bits: jax.checkpoint rounds float residuals with reduce_precision to
-    # their finfo (jax 0.10.2, ad_checkpoint), whose IEEE semantics send E4M3FN's 256..448 to inf, then NaN
-    return _scaled_dot(equation, qx, qw, sx * sw, x.dtype), (jax.lax.bitcast_convert_type(qx, jnp.uint8), sx, w)
+    # their finfo (jax 0.10.2, ad_checkpoint), whose IEEE semantics send E4M3FN's 256..448 to inf, then NaN.
+    # With `quantized_w` the weight's bits are kept, not w (an empty array of w's dtype says the gradient's).
+    kept_w = w if quantized_w is None else jnp.zeros((0,), w.dtype)
+    residuals = (jax.lax.bitcast_convert_type(qx, jnp.uint8), sx, kept_w, quantized_w)
+    return _scaled_dot(equation, qx, qw, sx * sw, x.dtype), residuals
 
 
 def _backward(equation, residuals, d_out):
     """d_out has the output's dtype, which is x's. w is quantized again, to the same values."""
-    qx_bits, sx, w = residuals
+    qx_bits, sx, w, quantized_w = residuals
     qx = jax.lax.bitcast_convert_type(qx_bits, FORWARD)
-    qw, sw = quantize(w, FORWARD)
+    qw, sw = _weight_fp8(w, quantized_w)
     dx_eq, dw_eq = transposed_equations(equation)
     qd, sd = quantize(d_out, BACKWARD)
-    return _scaled_dot(dx_eq, qd, qw, sd * sw, d_out.dtype), _scaled_dot(dw_eq, qx, qd, sx * sd, w.dtype)
+    return (_scaled_dot(dx_eq, qd, qw, sd * sw, d_out.dtype), _scaled_dot(dw_eq, qx, qd, sx * sd, w.dtype),
+            None)
 
 
 einsum.defvjp(_forward, _backward)

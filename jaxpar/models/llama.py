@@ -31,6 +31,7 @@ LAYER_AXES = {
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
 }
+LINEAR_WEIGHTS = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})  # used only by Collectives.linear
 EMBED_AXES = ("vocab", "embed")
 HEAD_AXES = {"final_norm": ("embed",), "lm_head": ("embed", "vocab")}
 

@@ -133,6 +133,8 @@ class StepBuilder:
         self.tx = make_optimizer(config.train)
         self.schedule = lr_schedule(config.train)
         self.bf16 = config.bf16_compute
+        # ZeRO-3 gathers the linears' weights as E4M3 (fp8.zero3_gather; jaxpar.layers.fp8.all_gather_fp8)
+        self.fp8_gathers = config.precision == "fp8" and config.fp8.zero3_gather == "fp8"
         self.compute_dtype = jnp.bfloat16 if self.bf16 else jnp.float32
         # gradients are reduced over dp in fp32 unless grad_reduce=bf16 (Megatron's default is fp32 too)
         self.grad_reduce_dtype = jnp.bfloat16 if self.bf16 and config.grad_reduce == "bf16" else jnp.float32
@@ -281,7 +283,8 @@ class StepBuilder:
                            context_strategy=self.config.mesh.cp_strategy,
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
                            kv_heads_replicated=self.replicates_kv and tp is not None, zero_hooks=zero.LAYER_HOOKS,
-                           collective_matmul=self.config.mesh.collective_matmul, fp8=self.config.precision == "fp8")
+                           collective_matmul=self.config.mesh.collective_matmul, fp8=self.config.precision == "fp8",
+                           fp8_gathered=llama.LINEAR_WEIGHTS if self.fp8_gathers else frozenset())
 
     def remat_policy(self):
         """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""

@@ -50,9 +50,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.layers import fp8
 from jaxpar.layers.collectives import varying_of
 from jaxpar.layers.order import after, after_p, chain
-from jaxpar.sharding import Rules, is_axes_leaf, llm_rules, tree_specs, unused_mesh_axes, zero_dim
+from jaxpar.sharding import Rules, is_axes_leaf, leaf_names, llm_rules, tree_specs, unused_mesh_axes, zero_dim
 
 ZERO3_GATHERED = "zero3_gathered"  # checkpoint name of all-gathered ZeRO-3 weights: never saved for backward
 
@@ -242,38 +243,69 @@ def copied_in(w: Any) -> Any:
     return jax.device_put(w, jax.memory.Space.Device) if on_host(w) else w
 
 
-def gather_weight(axis, dim: int, reduce_dtype):
+def gather_weight(axis, dim: int, reduce_dtype, fp8_scale=None):
     """ZeRO-3's all-gather of a dp-sharded device weight (or of a (shard, sink) pair, `with_sinks`); its
     transpose reduce-scatters the gradient, in `reduce_dtype` when one is given (fp32 sums of bf16
     weights' gradients), else the weight's dtype. A pair's gradient goes to its sink in the reduction's
     dtype, which is the sink's (StepBuilder makes its sinks so); a plain weight's comes back in its own
-    dtype (no gradient is taken of one in this repo's uses)."""
-    def gather(w):
-        return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+    dtype (no gradient is taken of one in this repo's uses). With `fp8_scale` (the whole weight's FP8
+    scale, `fp8_gather_scales`) the weight travels as E4M3 and arrives as an fp8.Gathered
+    (jaxpar.layers.fp8.all_gather_fp8); its gradient is reduced as any other (straight through the
+    quantization, as the FP8 GEMM's own)."""
+    def gather(w, scale):
+        if scale is None:
+            return jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+        return fp8.all_gather_fp8(w, scale, axis, dim)
 
     @jax.custom_vjp
-    def gather_to_sink(shard, sink):  # the sink is typed in the reduction's dtype (StepBuilder's sinks)
-        return gather(shard)
+    def gather_to_sink(shard, sink, scale):  # the sink is typed in the reduction's dtype (StepBuilder's sinks)
+        return gather(shard, scale)
 
     def to_sink(_, cotangent):
+        cotangent = _of_weight(cotangent)
         wide = cotangent.astype(reduce_dtype or cotangent.dtype)
-        return None, jax.lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True)
+        return None, jax.lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True), None
 
-    gather_to_sink.defvjp(lambda shard, sink: (gather(shard), None), to_sink)
+    gather_to_sink.defvjp(lambda shard, sink, scale: (gather(shard, scale), None), to_sink)
 
     @jax.custom_vjp
-    def gather_reducing_wide(w):
-        return gather(w)
+    def gather_reducing_wide(w, scale):
+        return gather(w, scale)
 
-    gather_reducing_wide.defvjp(lambda w: (gather(w), None),
-                                lambda _, cotangent: (_scatter(cotangent, axis, dim, reduce_dtype),))
+    gather_reducing_wide.defvjp(lambda w, scale: (gather(w, scale), None),
+                                lambda _, cotangent: (_scatter(_of_weight(cotangent), axis, dim, reduce_dtype), None))
 
     def gather_any(w):  # w: a device shard, or a (shard, sink) pair (`copied_in` from the host first)
         if isinstance(w, tuple):
-            return gather_to_sink(*w)
-        return gather(w) if reduce_dtype is None else gather_reducing_wide(w)
+            return gather_to_sink(*w, fp8_scale)
+        if reduce_dtype is None and fp8_scale is None:
+            return gather(w, None)
+        return gather_reducing_wide(w, fp8_scale)
 
     return gather_any
+
+
+def _of_weight(cotangent):
+    """The weight's cotangent of a gather's output (an fp8.Gathered's: its bits and scale have none)."""
+    return cotangent.weight if isinstance(cotangent, fp8.Gathered) else cotangent
+
+
+def fp8_gather_scales(shards: list, names: list[str], fp8_names: frozenset, axis, start: Any) -> tuple[list, Any]:
+    """(the FP8 scale of each weight named in `fp8_names`, None for the others; what the gathers wait for).
+    A weight's scale is the whole weight's (`scale_for` of the max over `axis` of its shards' amaxes), one
+    all-reduce for the list (a layer's linears), so that every rank quantizes its shard as the whole
+    weight would be; on XLA:CPU it runs after `start` and the gathers after it (jaxpar.layers.order).
+    `shards`: device shards, or (shard, sink) pairs."""
+    picked = [k for k, name in enumerate(names) if name in fp8_names]
+    if not picked:
+        return [None] * len(shards), start
+    device = [shards[k][0] if isinstance(shards[k], tuple) else shards[k] for k in picked]
+    amaxes = after(jnp.stack([fp8.amax(w) for w in device]), start)
+    scales = fp8.scale_for(jax.lax.pmax(amaxes, axis), fp8.FORWARD)
+    out = [None] * len(shards)
+    for row, k in enumerate(picked):
+        out[k] = scales[row]
+    return out, (start, scales)
 
 
 def never_keep_gathered(base: Callable | None) -> Callable:
@@ -298,12 +330,13 @@ def _stack(first: Any, rest: Any) -> Any:
 
 
 def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any, layer_axes: Any, axis,
-                           zero_logical: str, reduce_dtype) -> jax.Array:
+                           zero_logical: str, reduce_dtype, fp8_names: frozenset = frozenset()) -> jax.Array:
     """`x` through every layer, `layer_fn(x, full_weights)`, the weights ZeRO-3-sharded over `axis`.
 
     A software pipeline over the layer scan: the all-gather of layer i+1's weights is issued before
     layer i computes and depends only on the stacked shards, so the collective overlaps the layer
-    (XLA's async collectives; on GPUs the latency-hiding scheduler places it). The backward walks the
+    (XLA's async collectives; on GPUs the latency-hiding scheduler places it). Weights named in
+    `fp8_names` travel as E4M3 (`fp8_gather_scales`). The backward walks the
     layers in reverse the same way: gather layer i-1 while layer i is recomputed from its saved input
     and differentiated, and reduce-scatter layer i+1's gradient (deferred one layer) meanwhile. Only
     each layer's input is kept for the backward (full remat), never a gathered weight.
@@ -318,6 +351,7 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
     stacked_shards = structure.unflatten([leaf[1] if isinstance(leaf, tuple) else leaf for leaf in leaves])
     grad_dtypes = structure.unflatten([w.dtype for w in structure.flatten_up_to(stacked_shards)])
     n_layers = jax.tree.leaves(stacked_shards)[0].shape[0]
+    names = leaf_names(layer_axes)
 
     # On XLA:CPU every collective below runs in one order (jaxpar.layers.order): each group of gathers
     # or scatters is chained after what came before it, and each layer's compute after both.
@@ -327,8 +361,14 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
             if not on_host(source):
                 return jax.lax.dynamic_index_in_dim(source, i, keepdims=False)
             return jax.device_put(jax.lax.dynamic_slice_in_dim(source, i, 1), jax.memory.Space.Device)[0]
-        layer = structure.unflatten([one(s, source) for s, source in zip(structure.flatten_up_to(shards), sources)])
-        return chain(lambda w, d: jax.lax.all_gather(w, axis, axis=d, tiled=True), layer, dims, start=start)
+        layer = [one(s, source) for s, source in zip(structure.flatten_up_to(shards), sources)]
+        scales, start = fp8_gather_scales(layer, names, fp8_names, axis, start)
+
+        def gather_one(w, d, scale):
+            if scale is None:
+                return jax.lax.all_gather(w, axis, axis=d, tiled=True)
+            return fp8.all_gather_fp8(w, scale, axis, d).weight  # (this scan keeps no gathered weight: none to keep)
+        return structure.unflatten(chain(gather_one, layer, structure.flatten_up_to(dims), scales, start=start))
 
     def scatter(full_grads, start):
         def one(g, d, dtype):
@@ -397,7 +437,8 @@ class LayerHooks:
     copy_in: Callable
     prefetching_layer_scan: Callable
     gathered_name: str
+    fp8_gather_scales: Callable
 
 
 LAYER_HOOKS = LayerHooks(grad_tap, reduce_tap, gather_weight, fetched, copied_in, prefetching_layer_scan,
-                         ZERO3_GATHERED)
+                         ZERO3_GATHERED, fp8_gather_scales)
