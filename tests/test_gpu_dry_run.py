@@ -350,13 +350,18 @@ def test_the_target_config_names_the_cuda_runtime_so_hopper_forms_fp8_gemms(gpu,
 @pytest.mark.slow  # two GPU compiles of a 2-layer llama7b (about 20 s each)
 def test_fp8_runs_every_linear_gemm_of_forward_and_backward_in_fp8(tmp_path):
     """precision=fp8 on H100 (issue 47): q, k, v, o, gate, up and down, each as a forward, an input-gradient
-    and a weight-gradient GEMM, all FP8 cuBLASLt GEMMs; the LM head's three stay bf16. bf16 forms none."""
+    and a weight-gradient GEMM, all FP8 cuBLASLt GEMMs, fed by the FP8 weights ZeRO-3 gathers; the LM head's
+    three stay bf16. bf16 forms none."""
     two_layers = ["--config", "configs/llama7b.py", "--config.model.n_layers=2", "--gpu", "h100"]
     done, fp8 = dry_run(tmp_path, *two_layers, "--config.precision=fp8")
     assert done.returncode == 0, done.stderr[-2000:]
     assert fp8["kernels"]["fp8_gemm_calls"] == 2 * 7 * 3
     assert fp8["kernels"]["gemm_calls"] == 2 * 7 * 3 + 3
     assert fp8["cuda_runtime"] == "%d.%d" % gpu_aot.cuda_version()
+    # ZeRO-3 (llama7b's dp 8) gathers each layer's linear weights (4 x 4096^2 + 3 x 4096 x 11008) as E4M3, one byte
+    # an element, in the forward and again in the backward (fp8.zero3_gather=fp8)
+    u8 = [e for e in fp8["collectives"] if e["op"] == "all-gather" and e["dtype"] == "u8"]
+    assert sum(e["bytes"] for e in u8) == 2 * 2 * (4 * 4096 ** 2 + 3 * 4096 * 11008) and {e["axis"] for e in u8} == {"dp"}
     done, bf16 = dry_run(tmp_path, *two_layers, "--config.precision=bf16")
     assert done.returncode == 0, done.stderr[-2000:]
     assert bf16["kernels"]["fp8_gemm_calls"] == 0 and bf16["kernels"]["gemm_calls"] == fp8["kernels"]["gemm_calls"]
