@@ -458,17 +458,39 @@ def test_planned_dp_bytes_are_the_compiled_programs(layout):
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, cp=cp),
                                  pipeline=dataclasses.replace(config.pipeline, microbatches=m if pp > 1 else 1))
     validate(config)
+    planned = cost.dp_bytes(config)
+    planned["all-reduce"] = planned.get("all-reduce", 0) + 8  # + the loss sum and token count, f32 scalars
+    assert compiled_dp_bytes(config) == planned
+
+
+def compiled_dp_bytes(config: Config, widened=False) -> dict[str, float]:
+    """Bytes of the compiled step's dp (and cp) collectives by op. `widened`: XLA:CPU runs bf16 all-gathers in
+    f32, so theirs count half."""
     builder = builder_for(config)
     with mock.patch.object(jax.stages.Lowered, "compile", _fast_compile):
         report = dr.dry_run(config, builder.mesh)
-    zero_axes = "+".join(axis for axis, n in (("dp", dp), ("cp", cp)) if n > 1)  # cp alone also moves K / V
+    mesh = config.mesh
+    zero_axes = "+".join(axis for axis, n in (("dp", mesh.dp), ("cp", mesh.cp)) if n > 1)  # cp alone also moves K / V
     compiled = {}
     for row in report["collectives"]:
         if row["axis"] == zero_axes:
-            compiled[row["op"]] = compiled.get(row["op"], 0) + row["bytes"]
+            half = widened and row["op"] == "all-gather" and row["dtype"] == "f32"
+            compiled[row["op"]] = compiled.get(row["op"], 0) + row["bytes"] / (2 if half else 1)
+    return compiled
+
+
+def test_planned_fp8_zero3_gathers_are_the_compiled_programs():
+    """fp8.zero3_gather=fp8: the layers' linear weights gathered in one byte an element, twice per microbatch (the
+    forward and the backward), their norms, the embedding and the head in bf16, as the compiled step moves them."""
+    config = make_config(dp=4, tp=2, stage=3, model=MODEL, seq_len=32, grad_accum=2, precision="fp8")
     planned = cost.dp_bytes(config)
-    planned["all-reduce"] = planned.get("all-reduce", 0) + 8  # + the loss sum and token count, f32 scalars
-    assert compiled == planned
+    # + the loss sum and token count; + each layer's max of its 7 linears' amaxes (f32) per microbatch (2): the
+    # backward's regather reuses the scales the forward saved
+    planned["all-reduce"] = planned.get("all-reduce", 0) + 8 + 4 * 7 * MODEL.n_layers * 2
+    assert compiled_dp_bytes(config, widened=True) == planned
+    linear = MODEL.n_layers * (4 * 64 * 64 + 3 * 64 * 256) // 2  # tp 2's shards
+    bf16 = cost.dp_bytes(dataclasses.replace(config, fp8=dataclasses.replace(config.fp8, zero3_gather="bf16")))
+    assert bf16["all-gather"] - planned["all-gather"] == 2 * 2 * linear  # one byte saved per element, 2 x 2 passes
 
 
 def test_pipelined_dp_reduction_hides_the_head_and_interleaved_chunks():
@@ -627,7 +649,7 @@ def test_fp8_prices_the_linear_gemms_at_the_fp8_peak_and_nothing_else(name):
     memory-bound kernels and every collective are priced as under bf16, and current scaling's quantization
     passes are added (test_fp8_quantization_bytes_by_hand)."""
     hw = hardware.get("h100-80gb")
-    bf16 = load_config(name, ["precision=bf16"])
+    bf16 = load_config(name, ["precision=bf16", "fp8.zero3_gather=bf16"])  # (FP8 gathers: the tests below)
     planned = {p: cost.step_time(dataclasses.replace(bf16, precision=p), hw, 8) for p in ("bf16", "fp8")}
     assert planned["bf16"]["matmul_s"] / 2 < planned["fp8"]["matmul_s"] < 0.75 * planned["bf16"]["matmul_s"]
     for key in ("launch_s", "tp_comm_s", "dp_comm_s", "pp_comm_s"):
@@ -645,10 +667,14 @@ def test_fp8_quantization_bytes_by_hand():
     """llama7b as configured (dp 8, ZeRO-3, remat none: one forward and one backward per layer, no pipeline), one
     H100: per layer, 4096 tokens x (inputs 2 x 4096 + 4096 + 11008 + output gradients 4096 + 2 x 4096 + 2 x 4096 +
     2 x 11008) and the layer's 202,383,360 local parameters twice (forward, backward), 5 bytes each (bf16 read
-    twice, FP8 written), 32 layers, at 3.35 TB/s (bf16's 0: the test above)."""
-    config = load_config("llama7b.py", ["precision=fp8"])
+    twice, FP8 written), 32 layers, at 3.35 TB/s (bf16's 0: the test above); with FP8 ZeRO-3 gathers (the
+    default) each rank quantizes only its 1/8 of the weights."""
+    config = load_config("llama7b.py", ["precision=fp8", "fp8.zero3_gather=bf16"])
     per_layer = 4096 * ((2 * 4096 + 4096 + 11008) + (4096 + 2 * 4096 + 2 * 4096 + 2 * 11008)) + 2 * 202_383_360
     assert memory.local_params(config)["llm_layers"] == 32 * 202_383_360  # 4 x 4096^2 + 3 x 4096 x 11008 + 2 norms
     expected_s = 5 * per_layer * 32 / 3.35e12
     planned = cost.step_time(config, hardware.get("h100-80gb"), 8)["memory_parts"]["fp8"]
     assert planned == pytest.approx(expected_s, rel=1e-12)
+    gathered = cost.step_time(load_config("llama7b.py", ["precision=fp8"]), hardware.get("h100-80gb"), 8)
+    shard_s = 5 * 32 * 2 * 202_383_360 * (1 - 1 / 8) / 3.35e12
+    assert gathered["memory_parts"]["fp8"] == pytest.approx(expected_s - shard_s, rel=1e-12)

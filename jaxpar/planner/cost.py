@@ -37,7 +37,8 @@ from jaxpar.planner.traffic import slot_counts
 from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.parallel.pipeline import activation_collectives
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
-from jaxpar.planner.memory import (Block, head_positions, llm_block, local_params, local_seq, microbatch,
+from jaxpar.planner.memory import (Block, fp8_gathers, head_positions, linear_params, llm_block, local_params,
+                                   local_seq, microbatch,
                                   seq_len, vision_data_ways, vit_block)
 
 # The parts of one layer's forward each remat policy computes again in the backward (layer_forward keys).
@@ -236,7 +237,7 @@ def dp_bytes(config: Config) -> dict[str, float]:
       reduces once.
     - ZeRO-3 reduce-scatters once per microbatch too, and gathers every microbatch's weights: the
       layers' in the forward and again in the backward, the embedding and head once (kept for the
-      backward)."""
+      backward); under fp8.zero3_gather=fp8 the layers' linear weights in one byte an element."""
     mesh, stage = config.mesh, config.zero.stage
     if mesh.dp * mesh.cp <= 1:
         return {}
@@ -249,7 +250,8 @@ def dp_bytes(config: Config) -> dict[str, float]:
         return {"all-reduce": g * psi}
     if stage <= 2:
         return {"reduce-scatter": g * psi * (microbatches if stage == 2 else 1), "all-gather": c * psi}
-    return {"reduce-scatter": g * psi * microbatches, "all-gather": c * (psi + layers) * microbatches}
+    gathered = c * (psi + layers) - (2 * (c - 1) * linear_params(config) if fp8_gathers(config) else 0)
+    return {"reduce-scatter": g * psi * microbatches, "all-gather": gathered * microbatches}
 
 
 def _dp_comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:

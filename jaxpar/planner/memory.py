@@ -90,6 +90,18 @@ def local_params(config: Config) -> dict[str, int]:
     return out
 
 
+def linear_params(config: Config) -> int:
+    """The LLM layers' linear weights on one device (local_params' llm_layers less the two norms of each
+    layer, which tp does not split): what precision=fp8 multiplies in FP8."""
+    return local_params(config)["llm_layers"] - config.model.n_layers // config.mesh.pp * 2 * config.model.d_model
+
+
+def fp8_gathers(config: Config) -> bool:
+    """Whether ZeRO-3 gathers the linears' weights as E4M3 (fp8.zero3_gather; jaxpar.layers.fp8.all_gather_fp8)."""
+    return (config.precision == "fp8" and config.fp8.zero3_gather == "fp8" and config.zero.stage >= 3
+            and data_ways(config) > 1)
+
+
 def vision_data_ways(config: Config) -> int:
     """Devices that split the VLA's images (the encoder's data-parallel and ZeRO degree)."""
     return config.mesh.size // config.vision.tp

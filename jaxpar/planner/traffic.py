@@ -31,7 +31,9 @@ t tokens, local widths d, q, kv, f of one tp rank):
   its amax, read again and written in FP8 (FP8_QUANTIZE_BYTES = 2 c + 1 per element): per forward pass the
   linears' inputs (q / k / v share theirs, as do gate / up: t (2 d + q + f)) and their weights, per backward
   the output gradients (t (q + 2 kv + 2 d + ups f)) and the weights again (the forward's FP8 weight is not
-  kept). None on a device without FP8 tensor cores (A100 refuses fp8) or in bf16.
+  kept; with fp8.zero3_gather=fp8 each rank quantizes its 1/dp shard instead and the GEMMs read the
+  gathered bits). None on a device without FP8 tensor cores (A100 refuses fp8) or in bf16.
+- ZeRO-3 with FP8 gathers: the linears' gathered weights are written and read in one byte.
 - launches: KERNELS_PER_LAYER_PASS kernels per executed layer pass at hardware.KERNEL_LAUNCH_S.
 Where the constants come from: LAYER_D, BACKWARD_RATIO, WEIGHT_SLICE_BYTES and ACCUMULATE_BYTES from
 counting the kernels' bytes (the last two found in the seed's vla70b program on 64 A100s); the two
@@ -47,7 +49,8 @@ from jaxpar.config import Config
 from jaxpar.planner import kernels
 from jaxpar.compiler.hardware import KERNEL_LAUNCH_S, Hardware
 from jaxpar.parallel.schedule import pipeline_table
-from jaxpar.planner.memory import head_positions, llm_block, local_params, local_seq, microbatch
+from jaxpar.planner.memory import (data_ways, fp8_gathers, head_positions, linear_params, llm_block, local_params,
+                                   local_seq, microbatch)
 
 LAYER_D = 10  # c t d bytes of a layer forward's norms and residual adds
 BACKWARD_RATIO = 2.5  # a layer backward's elementwise bytes / its forward's (cotangents, some fp32)
@@ -59,6 +62,11 @@ WEIGHT_SLICE_BYTES = 2  # x c per parameter: a layer pass copies its weights out
 ACCUMULATE_BYTES = 10  # per parameter of a chunk, per backward slot: read fp32 sum and bf16 gradient, write the sum
 KERNELS_PER_LAYER_PASS = 40
 KERNELS_PER_WEIGHT_PASS = 10  # zb's W per layer: its weight-gradient matmuls and the accumulation
+
+
+def layers_here(config: Config) -> int:
+    """The LLM layers one pipeline stage holds."""
+    return config.model.n_layers // config.mesh.pp
 
 
 def slot_counts(config: Config) -> dict[str, int]:
@@ -115,8 +123,9 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
     grad_passes = passes["weight"] or passes["backward"]
     weights = c * per_layer * (WEIGHT_SLICE_BYTES * sum(passes.values()) + grad_passes)
     zero3 = 0.0
-    if config.zero.stage >= 3 and mesh.dp > 1:
-        zero3 = per_layer * (2 * c * sum(passes.values()) + 8 * passes["backward"])
+    if config.zero.stage >= 3 and mesh.dp > 1:  # (fp8.zero3_gather=fp8: the linears' gathered weights are 1 byte)
+        gathered_bytes = per_layer * c - (c - 1) * linear_params(config) / layers_here(config) * fp8_gathers(config)
+        zero3 = 2 * gathered_bytes * sum(passes.values()) + per_layer * 8 * passes["backward"]
     # each B (zb: W) slot adds its chunk's gradients into the fp32 accumulators: per layer of it
     accumulate = ACCUMULATE_BYTES * per_layer * grad_passes if mesh.pp > 1 else 0.0
     fp8 = fp8_quantize_bytes(config, hw, blk, t, per_layer, passes)
@@ -139,5 +148,7 @@ def fp8_quantize_bytes(config: Config, hw: Hardware, blk, t: int, per_layer: flo
     inputs = t * (2 * blk.d + blk.q + blk.f)  # attention's (q / k / v), o's, the MLP's (gate / up), down's
     output_grads = t * (blk.q + 2 * blk.kv + 2 * blk.d + ups * blk.f)
     forwards = passes["forward"] + passes["recomputed"]
+    # FP8 ZeRO-3 gathers quantize each rank's shard of the weights, and the GEMMs read the gathered bits
+    weights = per_layer / data_ways(config) if fp8_gathers(config) else per_layer
     return per_element * (inputs * forwards + output_grads * passes["backward"]
-                          + per_layer * (forwards + passes["backward"]))
+                          + weights * (forwards + passes["backward"]))
