@@ -4,8 +4,8 @@ a mistake costs no JAX start-up. jaxpar.config re-exports `validate` and the hel
 
 from __future__ import annotations
 
-from jaxpar.config.schema import (ATTENTION_KINDS, FP8_GATHERS, FP8_RECIPES, NAN_GUARDS, OFFLOAD_UPDATES, PIPELINE_SCHEDULES,
-                                  REMAT_POLICIES, RESIZE_FILTERS, ActionConfig, Config, VisionConfig,
+from jaxpar.config.schema import (ATTENTION_KINDS, FP8_GATHERS, FP8_RECIPES, NAN_GUARDS, OFFLOAD_UPDATES,
+                                  PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig, Config, VisionConfig,
                                   vla_sequence_layout)
 from jaxpar.errors import ConfigError
 

@@ -289,7 +289,8 @@ class Collectives:
         if not shared:
             return x_BxSxD, wk_DxKxH, wv_DxKxH
         x_BxSxD, (wk_DxKxH, wv_DxKxH) = backward_ordered(x_BxSxD, (wk_DxKxH, wv_DxKxH))
-        return x_BxSxD, *(_each_array(lambda a: jax.lax.pcast(a, shared, to="varying"), w) for w in (wk_DxKxH, wv_DxKxH))
+        vary = lambda a: jax.lax.pcast(a, shared, to="varying")  # noqa: E731
+        return x_BxSxD, *(_each_array(vary, w) for w in (wk_DxKxH, wv_DxKxH))
 
     def tp_max(self, x: jax.Array) -> jax.Array:
         return jax.lax.pmax(x, self.tp_axis) if self.tp_axis else x

@@ -292,20 +292,26 @@ def _of_weight(cotangent):
 
 def fp8_gather_scales(shards: list, names: list[str], fp8_names: frozenset, axis, start: Any) -> tuple[list, Any]:
     """(the FP8 scale of each weight named in `fp8_names`, None for the others; what the gathers wait for).
-    A weight's scale is the whole weight's (`scale_for` of the max over `axis` of its shards' amaxes), one
-    all-reduce for the list (a layer's linears), so that every rank quantizes its shard as the whole
-    weight would be; on XLA:CPU it runs after `start` and the gathers after it (jaxpar.layers.order).
-    `shards`: device shards, or (shard, sink) pairs."""
-    picked = [k for k, name in enumerate(names) if name in fp8_names]
-    if not picked:
-        return [None] * len(shards), start
-    device = [shards[k][0] if isinstance(shards[k], tuple) else shards[k] for k in picked]
-    amaxes = after(jnp.stack([fp8.amax(w) for w in device]), start)
-    scales = fp8.scale_for(jax.lax.pmax(amaxes, axis), fp8.FORWARD)
+    A weight's scale is the whole weight's (`scale_for` of the max over `axis` of its shards' amaxes), so
+    that every rank quantizes its shard as the whole weight would be: one all-reduce for the weights
+    typed alike (a layer's linears; K / V weights shared by some tp ranks form a second group, as a scale
+    typed varying where its weight is not would make the gathered weight so); on XLA:CPU they run after
+    `start`, one after another, and the gathers after them (jaxpar.layers.order). `shards`: device
+    shards, or (shard, sink) pairs."""
+    groups: dict[frozenset, list[int]] = {}
+    for k, name in enumerate(names):
+        if name in fp8_names:
+            device = shards[k][0] if isinstance(shards[k], tuple) else shards[k]
+            groups.setdefault(varying_of(jax.typeof(device)), []).append(k)
     out = [None] * len(shards)
-    for row, k in enumerate(picked):
-        out[k] = scales[row]
-    return out, (start, scales)
+    for members in groups.values():
+        amaxes = after(jnp.stack([fp8.amax(shards[k][0] if isinstance(shards[k], tuple) else shards[k])
+                                  for k in members]), start)
+        scales = fp8.scale_for(jax.lax.pmax(amaxes, axis), fp8.FORWARD)
+        for row, k in enumerate(members):
+            out[k] = scales[row]
+        start = (start, scales)
+    return out, start
 
 
 def never_keep_gathered(base: Callable | None) -> Callable:
