@@ -195,19 +195,21 @@ def test_an_fp8_run_resumes_exactly_and_onto_another_layout(tmp_path):
     np.testing.assert_allclose(losses(other, tmp_path), full[3:], rtol=FP8_LOSS_RTOL)
 
 
-@pytest.mark.parametrize("remat,kv_heads", [
-    ("none", 8),
-    ("full", 8),  # full: ZeRO-3 prefetch's layer scan gathers (zero.prefetching_layer_scan)
-    pytest.param("none", 2, marks=pytest.mark.slow),  # 2 KV heads over tp 4: each rank slices its head of a Gathered
+@pytest.mark.parametrize("remat,kv_heads,offload", [
+    ("none", 8, False),
+    pytest.param("full", 8, False, marks=pytest.mark.slow),  # full: ZeRO-3 prefetch's scan gathers (make test's budget)
+    pytest.param("none", 2, False, marks=pytest.mark.slow),  # 2 KV heads over tp 4: K / V typed apart (tpv)
+    pytest.param("full", 8, True, marks=pytest.mark.slow),  # offload.params: the prefetch gathers host copies
 ])
-def test_zero3_gathers_fp8_weights_that_give_the_bf16_gathers_results_bit_for_bit(remat, kv_heads):
+def test_zero3_gathers_fp8_weights_that_give_the_bf16_gathers_results_bit_for_bit(remat, kv_heads, offload):
     """fp8.zero3_gather=fp8 moves each linear's weight as E4M3 with the whole weight's scale, and the GEMM reads
     those FP8 values, which are the ones it quantizes the whole bf16 weight to: losses, gradients and the
     updated weights equal bf16 gathers' exactly, while the dp all-gathers move half the bytes."""
     from conftest import TINY_MODEL
     base = dataclasses.replace(make_config(dp=2, tp=4, stage=3, precision="fp8",
                                            model=dataclasses.replace(TINY_MODEL, n_kv_heads=kv_heads)),
-                               remat=dataclasses.replace(make_config().remat, policy=remat))
+                               remat=dataclasses.replace(make_config().remat, policy=remat),
+                               offload=dataclasses.replace(make_config().offload, params=offload))
     runs = {how: run(dataclasses.replace(base, fp8=dataclasses.replace(base.fp8, zero3_gather=how)))
             for how in ("fp8", "bf16")}
     (grads, losses, state), (bf16_grads, bf16_losses, bf16_state) = runs["fp8"], runs["bf16"]

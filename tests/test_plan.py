@@ -479,6 +479,7 @@ def compiled_dp_bytes(config: Config, widened=False) -> dict[str, float]:
     return compiled
 
 
+@pytest.mark.slow  # make test's budget: the ZeRO-3 layout above stays in it
 def test_planned_fp8_zero3_gathers_are_the_compiled_programs():
     """fp8.zero3_gather=fp8: the layers' linear weights gathered in one byte an element, twice per microbatch (the
     forward and the backward), their norms, the embedding and the head in bf16, as the compiled step moves them."""
