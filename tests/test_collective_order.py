@@ -199,6 +199,8 @@ LAYOUTS = {  # in `make test`
     # the VLA under cp: the encoder's images split over cp too, the image cotangent summed over cp
     "VLA cp, ZeRO-1": lambda: _vla(mesh=dict(dp=2, pp=1, tp=2, cp=2), vision=dict(tp=2), pipeline=dict(microbatches=1),
                                    zero=dict(stage=1), actions=dict(instruction_len=34)),
+    # fp8.zero3_gather: each layer's all-reduce max of its linears' shard amaxes, before the layer's u8 gathers
+    "fp8 ZeRO-3 gathers": lambda: make_config(dp=2, tp=4, stage=3, precision="fp8"),
 }
 SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     "ZeRO-0": lambda: make_config(dp=2, tp=4, stage=0),
@@ -233,6 +235,11 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     "VLA ZeRO-3 offload.params": lambda: _vla(mesh=dict(dp=4, pp=1, tp=2), vision=dict(tp=1),
                                               pipeline=dict(microbatches=1), zero=dict(stage=3),
                                               remat=dict(policy="full"), offload=dict(params=True)),
+    "fp8 ZeRO-3 prefetch gathers": lambda: replace(make_config(dp=2, tp=4, stage=3, precision="fp8"),
+                                                   remat=RematConfig(policy="full")),
+    # K / V shared over tpv: their amaxes' all-reduce apart from the other linears' (zero.fp8_gather_scales)
+    "fp8 ZeRO-3 gathers, KV heads shared": lambda: make_config(dp=2, tp=4, stage=3, precision="fp8",
+                                                               model=dataclasses.replace(TINY_MODEL, n_kv_heads=2)),
     "VLA cp ring 1f1b": lambda: _vla(mesh=dict(dp=1, pp=2, tp=2, cp=2, cp_strategy="ring"), vision=dict(tp=1),
                                      pipeline=dict(schedule="1f1b"), zero=dict(stage=1), actions=dict(instruction_len=34)),
 }

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.layers.collective_matmul import transposed_equations
+from jaxpar.layers.order import after
 
 FORWARD = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, max 448
 BACKWARD = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344 (their range varies more)
@@ -84,10 +85,13 @@ def all_gather_fp8(shard: jax.Array, scale: jax.Array, axis, dim: int) -> Gather
     `scale` (the whole weight's: `scale_for` of the max over `axis` of the shards' amaxes): ZeRO-3's
     gather of a linear's weight under fp8. The FP8 values are those `quantize` gives the whole weight,
     so the GEMMs compute what a bf16 gather gives them, bit for bit (tests/test_fp8.py); dequantized,
-    the weight is its FP8 values times a power of two, exact in bf16."""
+    the weight is its FP8 values times a power of two, exact in bf16. The shard's bits wait for the
+    shard (jaxpar.layers.order.after): a remat policy may keep them for the backward (they are no
+    gathered weight), and its regather then keeps the shard's place in the collective order on XLA:CPU."""
     top = float(jnp.finfo(FORWARD).max)
     q = jnp.clip(shard.astype(jnp.float32) / scale, -top, top).astype(FORWARD)
-    bits = jax.lax.all_gather(jax.lax.bitcast_convert_type(q, jnp.uint8), axis, axis=dim, tiled=True)
+    shard_bits = after(jax.lax.bitcast_convert_type(q, jnp.uint8), shard)
+    bits = jax.lax.all_gather(shard_bits, axis, axis=dim, tiled=True)
     weight = (jax.lax.bitcast_convert_type(bits, FORWARD).astype(jnp.float32) * scale).astype(shard.dtype)
     return Gathered(weight, bits, scale)
 
