@@ -6,7 +6,8 @@
 
 Variants are names made of '-'-joined parts: an attention kernel (xla, cudnn; absent: auto), a remat
 policy (none, dots, selective, full), `tpN`, `dpN`, `zeroK`, a precision (bf16, fp8; absent: bf16);
-e.g. `cudnn-selective`, `cudnn-tp8`, `dp8-zero3-full`, `cudnn-selective-fp8`. `--batch` is per data-parallel replica (global batch = batch x dp). Each variant runs
+e.g. `cudnn-selective`, `cudnn-tp8`, `dp8-zero3-full`, `cudnn-selective-fp8`. `--batch` is per
+data-parallel replica (global batch = batch x dp). Each variant runs
 in its own process, so one that runs out of memory or time costs only its own row; its result is one
 JSON line on the child's stdout. Writes OUT_DIR/bench_gpu.json and OUT_DIR/bench_gpu.md after every
 variant, so a killed run keeps its rows. On GPUs the children run with jaxpar's XLA flag bundle

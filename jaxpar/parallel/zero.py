@@ -298,15 +298,14 @@ def fp8_gather_scales(shards: list, names: list[str], fp8_names: frozenset, axis
     typed varying where its weight is not would make the gathered weight so); on XLA:CPU they run after
     `start`, one after another, and the gathers after them (jaxpar.layers.order). `shards`: device
     shards, or (shard, sink) pairs."""
+    device = [shard[0] if isinstance(shard, tuple) else shard for shard in shards]
     groups: dict[frozenset, list[int]] = {}
     for k, name in enumerate(names):
         if name in fp8_names:
-            device = shards[k][0] if isinstance(shards[k], tuple) else shards[k]
-            groups.setdefault(varying_of(jax.typeof(device)), []).append(k)
+            groups.setdefault(varying_of(jax.typeof(device[k])), []).append(k)
     out = [None] * len(shards)
     for members in groups.values():
-        amaxes = after(jnp.stack([fp8.amax(shards[k][0] if isinstance(shards[k], tuple) else shards[k])
-                                  for k in members]), start)
+        amaxes = after(jnp.stack([fp8.amax(device[k]) for k in members]), start)
         scales = fp8.scale_for(jax.lax.pmax(amaxes, axis), fp8.FORWARD)
         for row, k in enumerate(members):
             out[k] = scales[row]

@@ -64,11 +64,6 @@ KERNELS_PER_LAYER_PASS = 40
 KERNELS_PER_WEIGHT_PASS = 10  # zb's W per layer: its weight-gradient matmuls and the accumulation
 
 
-def layers_here(config: Config) -> int:
-    """The LLM layers one pipeline stage holds."""
-    return config.model.n_layers // config.mesh.pp
-
-
 def slot_counts(config: Config) -> dict[str, int]:
     """Chunk slots of each kind (F, B, W) one device executes: the ticks in which the kind is active
     anywhere, since a stage without work computes masked garbage (1f1b: v m + p - 1 F and B; zb: m + p
@@ -123,8 +118,10 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
     grad_passes = passes["weight"] or passes["backward"]
     weights = c * per_layer * (WEIGHT_SLICE_BYTES * sum(passes.values()) + grad_passes)
     zero3 = 0.0
-    if config.zero.stage >= 3 and mesh.dp > 1:  # (fp8.zero3_gather=fp8: the linears' gathered weights are 1 byte)
-        gathered_bytes = per_layer * c - (c - 1) * linear_params(config) / layers_here(config) * fp8_gathers(config)
+    if config.zero.stage >= 3 and mesh.dp > 1:
+        gathered_bytes = c * per_layer
+        if fp8_gathers(config):  # the linears' gathered weights in one byte an element
+            gathered_bytes -= (c - 1) * linear_params(config) / (m.n_layers // mesh.pp)
         zero3 = 2 * gathered_bytes * sum(passes.values()) + per_layer * 8 * passes["backward"]
     # each B (zb: W) slot adds its chunk's gradients into the fp32 accumulators: per layer of it
     accumulate = ACCUMULATE_BYTES * per_layer * grad_passes if mesh.pp > 1 else 0.0
