@@ -250,3 +250,30 @@ def test_zero3_fp8_gathers_move_one_byte_per_linear_weight_element():
     assert gathered["fp8"]["u8"] == 2 * linear and "u8" not in gathered["bf16"]
     # XLA:CPU widens bf16 all-gathers to f32 (4 bytes an element): the linears' moved there before
     assert gathered["bf16"]["f32"] - gathered["fp8"]["f32"] == 4 * 2 * linear
+
+
+@pytest.mark.slow  # make test's budget (two pipelined runs each); its fast fp8 VLA case runs a pipeline that quantizes once
+@pytest.mark.parametrize("layout", [
+    dict(pp=2, tp=2, virtual_stages=2),  # interleaved: each slot slices its chunk of the quantized layers
+    dict(dp=2, pp=2, tp=2, stage_recompute=True),  # B re-runs the forward
+], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_a_pipeline_quantizes_its_stage_once_and_computes_what_every_slot_quantizing_did(layout, monkeypatch):
+    """A pipeline stage quantizes its linears' stacked weights once per step (fp8.quantize_stacked: one
+    power-of-two scale per layer) and its slots read the FP8 bits; before, every forward and backward slot
+    quantized its chunk's weights again. The bits are the same, so losses, gradients and the updated
+    weights equal the per-slot path's exactly (a scale 16 times too large, elements underflowing, does not)."""
+    from conftest import TINY_MODEL
+    layout = dict(layout)
+    mesh = dict(dp=layout.pop("dp", 1), pp=layout.pop("pp"), tp=layout.pop("tp"))
+    config = with_pipeline(make_config(**mesh, stage=1, precision="fp8", model=dataclasses.replace(TINY_MODEL, n_layers=4)),
+                           microbatches=4, **layout)
+    validate(config)  # (2 layers over pp 2 x 2 virtual stages would run chunks of no layer)
+    once = run(config)
+    with monkeypatch.context() as patch:  # the slots quantize their chunk's weights themselves, as before
+        patch.setattr(fp8, "quantize_linears", lambda layers, names: layers)
+        patch.setattr(fp8, "weight_grads", lambda grads: grads)
+        per_slot = run(config)
+    (grads, losses, state), (slot_grads, slot_losses, slot_state) = once, per_slot
+    np.testing.assert_array_equal(losses, slot_losses)
+    jax.tree.map(np.testing.assert_array_equal, grads, slot_grads)
+    jax.tree.map(np.testing.assert_array_equal, state.params, slot_state.params)

@@ -679,3 +679,20 @@ def test_fp8_quantization_bytes_by_hand():
     gathered = cost.step_time(load_config("llama7b.py", ["precision=fp8"]), hardware.get("h100-80gb"), 8)
     shard_s = 5 * 32 * 2 * 202_383_360 * (1 - 1 / 8) / 3.35e12
     assert gathered["memory_parts"]["fp8"] == pytest.approx(expected_s - shard_s, rel=1e-12)
+
+
+def test_a_pipelined_stage_quantizes_its_fp8_weights_once_per_step():
+    """llama7b over pp 2 x tp 4 (dp 1, ZeRO-1, remat none, 8 microbatches of one 4096-token sequence), one H100:
+    each executed slot quantizes its layers' inputs and output gradients (per layer, tp-4 shards: inputs
+    2 x 4096 + 1024 + 2752, output gradients 1024 + 2 x 1024 + 2 x 4096 + 2 x 2752), but the stage's 16 layers'
+    50,601,984 local parameters each are quantized once per step (jaxpar.layers.fp8.quantize_stacked), not in
+    each of the schedule's forward and backward slots; 5 bytes an element at 3.35 TB/s."""
+    from jaxpar.planner.traffic import slot_counts
+    config = load_config("llama7b.py", ["precision=fp8", "mesh.dp=1", "mesh.pp=2", "mesh.tp=4", "zero.stage=1",
+                                        "pipeline.microbatches=8"])
+    slots = slot_counts(config)
+    assert memory.local_params(config)["llm_layers"] == 16 * 50_601_984
+    activations = 4096 * ((2 * 4096 + 1024 + 2752) * slots["F"] + (1024 + 2 * 1024 + 2 * 4096 + 2 * 2752) * slots["B"])
+    expected_s = 5 * 16 * (activations + 50_601_984) / 3.35e12
+    planned = cost.step_time(config, hardware.get("h100-80gb"), 8)["memory_parts"]["fp8"]
+    assert planned == pytest.approx(expected_s, rel=1e-12)

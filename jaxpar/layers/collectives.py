@@ -40,13 +40,13 @@ def typed_like(w: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def _array_of(w):
-    """A weight's array: itself, or an fp8.Gathered's dequantized weight (its shape and type)."""
-    return w.weight if isinstance(w, fp8.Gathered) else w
+    """A weight's array: itself, or an fp8.Quantized's weight (its shape and type)."""
+    return w.weight if isinstance(w, fp8.Quantized) else w
 
 
 def _each_array(fn: Callable, w):
-    """fn(w), or for an fp8.Gathered fn of its weight and of its bits (the per-tensor scale stays)."""
-    if isinstance(w, fp8.Gathered):
+    """fn(w), or for an fp8.Quantized fn of its weight and of its bits (the per-tensor scale stays)."""
+    if isinstance(w, fp8.Quantized):
         return dataclasses.replace(w, weight=fn(w.weight), bits=fn(w.bits))
     return fn(w)
 
@@ -126,7 +126,7 @@ class Collectives:
             return self.weight_grads.linear(equation, x, w)
         if self.fp8:  # a custom_vjp returns its inputs' types: each operand is typed as varying where the
             # other does (a tp-invariant input of a column linear, the ViT's: its gradient's tp sum is the cast's)
-            if isinstance(w, fp8.Gathered):  # gathered in FP8 (fp8.zero3_gather): its bits feed the GEMM
+            if isinstance(w, fp8.Quantized):  # quantized ahead (ZeRO-3 FP8 gather, pipeline stage): bits feed the GEMM
                 return fp8.einsum(equation, typed_like(x, w.weight), typed_like(w.weight, x), (w.bits, w.scale))
             return fp8.einsum(equation, typed_like(x, w), typed_like(w, x))
         return jnp.einsum(equation, x, w)
@@ -350,7 +350,7 @@ class Collectives:
         def gather(w, axes, scale):
             full = self.zero_hooks.gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis),
                                                 self.grad_reduce_dtype, scale)(w)
-            return jax.tree.map(lambda a: checkpoint_name(a, self.zero_hooks.gathered_name), full)  # (fp8.Gathered)
+            return jax.tree.map(lambda a: checkpoint_name(a, self.zero_hooks.gathered_name), full)  # (fp8.Quantized)
 
         # offload.params: host shards copied in (zero.copied_in); with a gradient, (shard, gradient sink) pairs
         # (zero.with_sinks), which the gather takes whole

@@ -67,20 +67,22 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Gathered:
-    """A linear's weight as ZeRO-3 gathered it in FP8 (fp8.zero3_gather=fp8), for `Collectives.linear`.
-    `bits` and `scale` are what the GEMMs use; `weight`, the dequantized weight, is what the gradient is
-    taken of (straight through the quantization, as the FP8 GEMM's own) and is never computed where
-    nothing reads it. `einsum` keeps `bits` for the backward, never `weight`: a remat policy that keeps
-    no gathered weight (jaxpar.parallel.zero.never_keep_gathered) then regathers the bits, where a
-    dequantized weight handed on as an array would be kept whole from the forward to the backward."""
+class Quantized:
+    """A linear's weight with its FP8 values made ahead of its GEMMs, for `Collectives.linear`: as ZeRO-3
+    gathered it in FP8 (fp8.zero3_gather=fp8, `all_gather_fp8`), or as a pipeline stage quantized its
+    layers once per step (`quantize_stacked`). `bits` and `scale` are what the GEMMs use; `weight` is
+    what the gradient is taken of (straight through the quantization, as the FP8 GEMM's own): the
+    gathered weight dequantized, never computed where nothing reads it, or the stage's bf16 weight.
+    `einsum` keeps `bits` for the backward, never `weight`: a remat policy that keeps no gathered weight
+    (jaxpar.parallel.zero.never_keep_gathered) then regathers the bits, where a dequantized weight
+    handed on as an array would be kept whole from the forward to the backward."""
 
     weight: jax.Array
     bits: jax.Array  # E4M3 values as uint8 (collectives on FP8 types are not supported everywhere)
     scale: jax.Array
 
 
-def all_gather_fp8(shard: jax.Array, scale: jax.Array, axis, dim: int) -> Gathered:
+def all_gather_fp8(shard: jax.Array, scale: jax.Array, axis, dim: int) -> Quantized:
     """all_gather(shard) over `axis` on `dim`, moved as E4M3 (one byte an element, half of bf16's) with
     `scale` (the whole weight's: `scale_for` of the max over `axis` of the shards' amaxes): ZeRO-3's
     gather of a linear's weight under fp8. The FP8 values are those `quantize` gives the whole weight,
@@ -93,7 +95,31 @@ def all_gather_fp8(shard: jax.Array, scale: jax.Array, axis, dim: int) -> Gather
     shard_bits = after(jax.lax.bitcast_convert_type(q, jnp.uint8), shard)
     bits = jax.lax.all_gather(shard_bits, axis, axis=dim, tiled=True)
     weight = (jax.lax.bitcast_convert_type(bits, FORWARD).astype(jnp.float32) * scale).astype(shard.dtype)
-    return Gathered(weight, bits, scale)
+    return Quantized(weight, bits, scale)
+
+
+def quantize_stacked(w: jax.Array) -> Quantized:
+    """The stacked layers' weight `w` ([layers, ...]) quantized once, each layer with its own scale, as
+    `quantize` gives each layer's slice (the same bits: the scale is a per-layer power of two): what a
+    pipeline stage's slots read in place of quantizing their chunk's weights again in every forward and
+    backward slot (Transformer Engine quantizes a weight once per step likewise). `weight` is `w` itself,
+    the array the gradient is taken of; slicing the result along the layers slices all three alike."""
+    top = float(jnp.finfo(FORWARD).max)
+    w32 = jax.lax.stop_gradient(w).astype(jnp.float32)
+    scale = scale_for(jnp.max(jnp.abs(w32), axis=tuple(range(1, w.ndim))), FORWARD)
+    per_layer = scale.reshape((-1,) + (1,) * (w.ndim - 1))
+    q = jnp.clip(w32 / per_layer, -top, top).astype(FORWARD)
+    return Quantized(w, jax.lax.bitcast_convert_type(q, jnp.uint8), scale)
+
+
+def quantize_linears(layers: dict, names: frozenset) -> dict:
+    """The stacked layer weights with those in `names` (the linears') as `quantize_stacked` makes them."""
+    return {k: quantize_stacked(w) if k in names else w for k, w in layers.items()}
+
+
+def weight_grads(grads: dict) -> dict:
+    """The cotangent of `quantize_linears`' result as the stacked weights' (a `Quantized`'s is its weight's)."""
+    return {k: g.weight if isinstance(g, Quantized) else g for k, g in grads.items()}
 
 
 def amax(x: jax.Array) -> jax.Array:
@@ -110,7 +136,7 @@ def _scaled_dot(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dty
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def einsum(equation: str, x: jax.Array, w: jax.Array, quantized_w: tuple | None = None) -> jax.Array:
     """einsum(equation, x, w) as an FP8 GEMM, in x's dtype; its backward two FP8 GEMMs (dX, dW), the
-    weight gradient in w's dtype. `quantized_w`: w's FP8 (bits, scale) already made (a `Gathered`
+    weight gradient in w's dtype. `quantized_w`: w's FP8 (bits, scale) already made (a `Quantized`
     weight's), used in place of quantizing w, which is then read by nothing."""
     return _forward(equation, x, w, quantized_w)[0]
 

@@ -84,6 +84,10 @@ class StagePieces:
     extra_at(extra, i) -> extra_mb: microbatch i's `extra` for first_input, read from the whole `extra`
         (a VLA's own images, which first_input sums over the stages itself); the cotangent of `extra`
         is then summed over the microbatches. None: `extra` is [m, ...] and extra_mb is extra[i].
+    prepare_layers(layers) -> layers': the stage's stacked layers as the body reads them, made once per
+        step before the ticks and sliced per chunk like the weights (precision=fp8: the linears' weights
+        quantized once, not in every slot). `prepared_grads` maps the cotangent of layers' back to
+        layers' (a tree like `layers`). None: the body reads the layers as they are.
     """
 
     first_input: Callable
@@ -91,6 +95,8 @@ class StagePieces:
     head_loss: Callable
     head_input: Callable | None = None
     extra_at: Callable | None = None
+    prepare_layers: Callable | None = None
+    prepared_grads: Callable | None = None
 
 
 def _pcast(tree, axes):
@@ -142,7 +148,10 @@ class Pipeline(FirstInputs):
         """Chunk `chunk` of this device's layers ([v * chunk_len, ...] stacked)."""
         if self.v == 1:
             return layers
-        size = jax.tree.leaves(layers)[0].shape[0] // self.v
+        count = jax.tree.leaves(layers)[0].shape[0]
+        if count % self.v:  # (config validation refuses it; a chunk of no layer would run silently)
+            raise ValueError(f"pipeline.virtual_stages={self.v} does not divide the {count} layers per stage")
+        size = count // self.v
         return jax.tree.map(lambda w: jax.lax.dynamic_slice_in_dim(w, chunk * size, size, 0), layers)
 
     def _add_chunk(self, acc, grads, chunk, only=None):
@@ -250,6 +259,7 @@ class Pipeline(FirstInputs):
         else:
             d_chunk, dx = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
             only = None
+        d_chunk = self.pieces.prepared_grads(d_chunk) if self.pieces.prepared_grads else d_chunk
         grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk, only)}
         dx = after(dx, d_chunk)  # the tick's sends after the chunk's weight-gradient sums (sp norms: XLA:CPU)
         first_mb = row["B"][0]
@@ -319,7 +329,8 @@ class Pipeline(FirstInputs):
         extra_at = (lambda i: None) if extra is None else (lambda i: read(extra, i))  # noqa: E731
         shape = jax.eval_shape(lambda: self.pieces.first_input(first, extra_at(0), data_at(0)))
         x_zeros = _pcast(jnp.zeros(shape.shape, shape.dtype), self.act_varying)
-        return {"first": first, "head": head, "layers": params["layers"], "data_at": data_at,
+        layers = self.pieces.prepare_layers(params["layers"]) if self.pieces.prepare_layers else params["layers"]
+        return {"first": first, "head": head, "layers": layers, "data_at": data_at,
                 "extra_at": extra_at, "extra": extra, "act": (shape.shape, shape.dtype), "x0": x_zeros}
 
     def loss_and_grads(self, params, micro, extra=None):
@@ -337,7 +348,7 @@ class Pipeline(FirstInputs):
         stash_zeros = [zeros_typed(a.update(shape=(slots,) + a.shape)) for a in ctx["stash"].stash_avals()]
         zeros = jnp.zeros_like(ctx["x0"])
         carry = {"recv_fwd": zeros, "recv_bwd": zeros, "stash": stash_zeros, "inputs": self._first_inputs(ctx),
-                 "grads": self._zeros_f32({"layers": ctx["layers"], "head": ctx["head"]}),
+                 "grads": self._zeros_f32({"layers": params["layers"], "head": ctx["head"]}),
                  "loss": self._data_typed(jnp.zeros((), jnp.float32))}
         if (self.sum_ticks != IDLE).any():
             carry["summed"] = self._summed_zeros(ctx["x0"])

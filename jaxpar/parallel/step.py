@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import Config, carries_instruction_bytes, image_tokens, nan_guard_for, sums_own_images
 from jaxpar.errors import ConfigError
+from jaxpar.layers import fp8
 from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
 from jaxpar.models import llama, vit, vla
@@ -416,8 +417,13 @@ class StepBuilder:
         def head_loss(head, y, data):
             return llama.head_loss_sum(head, y, data["targets"], data["mask"], cfg, head_coll, last) / token_count
 
+        # precision=fp8: the stage's linear weights quantized once per step, not in every slot (unless ZeRO-3
+        # gathers them per use: then its FP8 gathers quantize the shards)
+        once = self.config.precision == "fp8" and not coll.zero3_axis and not coll.host_weights
+        prepare = functools.partial(fp8.quantize_linears, names=llama.LINEAR_WEIGHTS) if once else None
         # the head reads only the last `last` positions of each rank's y: the pipeline delivers only those
-        return StagePieces(first_input, body, head_loss, None if last is None else (lambda y: y[:, -last:]), extra_at)
+        return StagePieces(first_input, body, head_loss, None if last is None else (lambda y: y[:, -last:]), extra_at,
+                           prepare, fp8.weight_grads if once else None)
 
     def pipeline(self, coll: Collectives, policy, token_count=1.0, schedule: str | None = None) -> Pipeline:
         pipe = self.config.pipeline

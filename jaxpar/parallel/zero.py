@@ -249,7 +249,7 @@ def gather_weight(axis, dim: int, reduce_dtype, fp8_scale=None):
     weights' gradients), else the weight's dtype. A pair's gradient goes to its sink in the reduction's
     dtype, which is the sink's (StepBuilder makes its sinks so); a plain weight's comes back in its own
     dtype (no gradient is taken of one in this repo's uses). With `fp8_scale` (the whole weight's FP8
-    scale, `fp8_gather_scales`) the weight travels as E4M3 and arrives as an fp8.Gathered
+    scale, `fp8_gather_scales`) the weight travels as E4M3 and arrives as an fp8.Quantized
     (jaxpar.layers.fp8.all_gather_fp8); its gradient is reduced as any other (straight through the
     quantization, as the FP8 GEMM's own)."""
     def gather(w, scale):
@@ -286,8 +286,8 @@ def gather_weight(axis, dim: int, reduce_dtype, fp8_scale=None):
 
 
 def _of_weight(cotangent):
-    """The weight's cotangent of a gather's output (an fp8.Gathered's: its bits and scale have none)."""
-    return cotangent.weight if isinstance(cotangent, fp8.Gathered) else cotangent
+    """The weight's cotangent of a gather's output (an fp8.Quantized's: its bits and scale have none)."""
+    return cotangent.weight if isinstance(cotangent, fp8.Quantized) else cotangent
 
 
 def fp8_gather_scales(shards: list, names: list[str], fp8_names: frozenset, axis, start: Any) -> tuple[list, Any]:

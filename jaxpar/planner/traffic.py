@@ -32,7 +32,8 @@ t tokens, local widths d, q, kv, f of one tp rank):
   linears' inputs (q / k / v share theirs, as do gate / up: t (2 d + q + f)) and their weights, per backward
   the output gradients (t (q + 2 kv + 2 d + ups f)) and the weights again (the forward's FP8 weight is not
   kept; with fp8.zero3_gather=fp8 each rank quantizes its 1/dp shard instead and the GEMMs read the
-  gathered bits). None on a device without FP8 tensor cores (A100 refuses fp8) or in bf16.
+  gathered bits; a pipeline stage that gathers nothing quantizes its layers' weights once per step and
+  its slots read the bits). None on a device without FP8 tensor cores (A100 refuses fp8) or in bf16.
 - ZeRO-3 with FP8 gathers: the linears' gathered weights are written and read in one byte.
 - launches: KERNELS_PER_LAYER_PASS kernels per executed layer pass at hardware.KERNEL_LAUNCH_S.
 Where the constants come from: LAYER_D, BACKWARD_RATIO, WEIGHT_SLICE_BYTES and ACCUMULATE_BYTES from
@@ -147,5 +148,8 @@ def fp8_quantize_bytes(config: Config, hw: Hardware, blk, t: int, per_layer: flo
     forwards = passes["forward"] + passes["recomputed"]
     # FP8 ZeRO-3 gathers quantize each rank's shard of the weights, and the GEMMs read the gathered bits
     weights = per_layer / data_ways(config) if fp8_gathers(config) else per_layer
-    return per_element * (inputs * forwards + output_grads * passes["backward"]
-                          + weights * (forwards + passes["backward"]))
+    weight_passes = forwards + passes["backward"]
+    gathers = config.zero.stage >= 3 and data_ways(config) > 1
+    if config.mesh.pp > 1 and not gathers and not config.offload.params:  # a stage quantizes its layers once
+        weight_passes = config.model.n_layers // config.mesh.pp  # per step (jaxpar.layers.fp8.quantize_stacked)
+    return per_element * (inputs * forwards + output_grads * passes["backward"] + weights * weight_passes)
