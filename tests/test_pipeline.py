@@ -93,6 +93,16 @@ def test_stage_recompute_matches_single_device():
     assert_matches_single_device(pipeline_config((1, 2, 2), "1f1b", 4, "selective", recompute=True))
 
 
+def test_a_stage_whose_layers_the_virtual_stages_do_not_divide_fails_loudly():
+    """Config validation refuses it; a config built past validation (as the tests' helpers do) must not run
+    chunks of no layer, which trained the embedding and head alone and passed as a pipeline (the first
+    version of tests/test_fp8.py's once-per-step test did: 2 layers over pp 2 x 2 virtual stages)."""
+    config = pipeline_config((1, 2, 1), "1f1b", 4, virtual=2)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, n_layers=2))
+    with pytest.raises(ValueError, match=r"^pipeline.virtual_stages=2 does not divide the 1 layers per stage"):
+        run(config)
+
+
 @pytest.mark.slow  # two bf16 compiles
 def test_bf16_pipeline_is_close_to_single_device():
     assert_matches_single_device(pipeline_config((2, 2, 2), "1f1b", 4, "none", virtual=2, precision="bf16"))
