@@ -104,11 +104,7 @@ def quantize_stacked(w: jax.Array) -> Quantized:
     pipeline stage's slots read in place of quantizing their chunk's weights again in every forward and
     backward slot (Transformer Engine quantizes a weight once per step likewise). `weight` is `w` itself,
     the array the gradient is taken of; slicing the result along the layers slices all three alike."""
-    top = float(jnp.finfo(FORWARD).max)
-    w32 = jax.lax.stop_gradient(w).astype(jnp.float32)
-    scale = scale_for(jnp.max(jnp.abs(w32), axis=tuple(range(1, w.ndim))), FORWARD)
-    per_layer = scale.reshape((-1,) + (1,) * (w.ndim - 1))
-    q = jnp.clip(w32 / per_layer, -top, top).astype(FORWARD)
+    q, scale = jax.vmap(lambda layer: quantize(layer, FORWARD))(jax.lax.stop_gradient(w))
     return Quantized(w, jax.lax.bitcast_convert_type(q, jnp.uint8), scale)
 
 
