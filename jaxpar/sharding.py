@@ -25,8 +25,14 @@ RULES: dict[str, str | None] = {
     "layers": "pp",
     "embed": None,
     "head_dim": None,
+    # fp8.recipe=delayed's counters (jaxpar.models.llama.FP8_LIVES): replicated over tp like a norm (each
+    # linear's tp shards combine theirs in the gradient's sum), stacked over pp with their layers
+    "fp8_linears": None,
+    "fp8_operands": None,
+    "fp8_bins": None,
 }
 ZERO_AXIS = "embed"  # the logical dim that ZeRO shards over dp
+FP8_BINS = "fp8_bins"  # what ZeRO shards of the counters, which have no "embed" dim
 DP = "dp"
 CP = "cp"  # context parallelism's axis (jaxpar.parallel.mesh.Layout), present when mesh.cp > 1
 
@@ -36,7 +42,7 @@ class Rules:
     """One component's mapping: logical axis -> mesh axis, and where its ZeRO sharding goes."""
 
     table: dict
-    zero_logical: tuple[str, ...] = (ZERO_AXIS,)  # an array's ZeRO dim: the first of these it has
+    zero_logical: tuple[str, ...] = (ZERO_AXIS, FP8_BINS)  # an array's ZeRO dim: the first of these it has
     zero_mesh: tuple[str, ...] = (DP,)  # the mesh axes ZeRO shards over
 
 

@@ -5,7 +5,8 @@
     python scripts/bench_gpu.py --smoke              # tiny model on CPU, same code path (tests/test_bench_gpu.py)
 
 Variants are names made of '-'-joined parts: an attention kernel (xla, cudnn; absent: auto), a remat
-policy (none, dots, selective, full), `tpN`, `dpN`, `zeroK`, a precision (bf16, fp8; absent: bf16);
+policy (none, dots, selective, full), `tpN`, `dpN`, `zeroK`, a precision (bf16, fp8; absent: bf16), `delayed`
+(fp8.recipe=delayed; absent: current);
 e.g. `cudnn-selective`, `cudnn-tp8`, `dp8-zero3-full`, `cudnn-selective-fp8`. `--batch` is per
 data-parallel replica (global batch = batch x dp). Each variant runs
 in its own process, so one that runs out of memory or time costs only its own row; its result is one
@@ -22,7 +23,8 @@ start-up, init, compile and 7 steps, so ~4 fit with room for a slow compile):
   none materialises the [B, N, S, S] scores, the memory cuDNN avoids; selective recomputes them);
 - cudnn with selective in fp8 (precision=fp8, jaxpar.layers.fp8): FP8 GEMMs against the bf16 row of the
   same layout, the ratio issue 47 estimates from the GPU compiler (a device without FP8 tensor cores,
-  A100, reports it skipped);
+  A100, reports it skipped), with current and with delayed scaling (`-delayed`: fp8.recipe=delayed,
+  calibrated on the first batch before timing);
 - with several GPUs, also tp / ZeRO-1 / ZeRO-3 over all of them (cudnn, remat none), and ZeRO-3 in fp8;
   `--budget` skips what no longer fits. MFU counts the model's FLOPs against the dense bf16 peak in
   every row, fp8 too (as torchtitan and NeMo quote FP8 runs), so rows compare as throughput.
@@ -48,7 +50,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `python scripts/bench_gpu.py` from a plain checkout (no pip install -e)
 
 from jaxpar.compiler.hardware import apply_memory_fraction  # noqa: E402
-from jaxpar.config import (Config, MeshConfig, ModelConfig, RematConfig, TrainConfig,  # noqa: E402
+from jaxpar.config import (Config, Fp8Config, MeshConfig, ModelConfig, RematConfig, TrainConfig,  # noqa: E402
                            ZeroConfig, validate)
 
 MARK = "BENCH_RESULT "  # prefix of the child's one result line on stdout
@@ -59,6 +61,7 @@ SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensi
 REMATS = ("none", "dots", "selective", "full")
 ATTENTIONS = ("xla", "cudnn")  # model.attention; a name without one runs `auto`
 PRECISIONS = ("bf16", "fp8")  # precision; a name without one runs bf16
+RECIPES = ("delayed",)  # fp8.recipe; a name without one runs current scaling
 
 
 # ----------------------------------------------------------------------------- variants and config
@@ -66,7 +69,7 @@ PRECISIONS = ("bf16", "fp8")  # precision; a name without one runs bf16
 def parse_variant(name: str, n_devices: int) -> dict:
     """'cudnn-dp8-zero3-full-fp8' -> {attention, remat, dp, tp, zero, precision}; zeroK without dpN spreads
     dp over the devices tp leaves."""
-    spec = {"attention": "auto", "remat": "none", "dp": 1, "tp": 1, "zero": 0, "precision": "bf16"}
+    spec = {"attention": "auto", "remat": "none", "dp": 1, "tp": 1, "zero": 0, "precision": "bf16", "recipe": "current"}
     explicit_dp = False
     for part in name.split("-"):
         if part in REMATS:
@@ -75,12 +78,14 @@ def parse_variant(name: str, n_devices: int) -> dict:
             spec["attention"] = part
         elif part in PRECISIONS:
             spec["precision"] = part
+        elif part in RECIPES:
+            spec["recipe"] = part
         elif m := re.fullmatch(r"(tp|dp|zero)(\d+)", part):
             spec[m[1]] = int(m[2])
             explicit_dp |= m[1] == "dp"
         else:
             raise ValueError(f"variant '{name}': unknown part '{part}' (use "
-                             f"{', '.join(ATTENTIONS + REMATS + PRECISIONS)}, tpN, dpN, zeroK)")
+                             f"{', '.join(ATTENTIONS + REMATS + PRECISIONS + RECIPES)}, tpN, dpN, zeroK)")
     if spec["zero"] and not explicit_dp:
         spec["dp"] = max(n_devices // spec["tp"], 1)
     return spec
@@ -89,7 +94,8 @@ def parse_variant(name: str, n_devices: int) -> dict:
 def default_variants(n_devices: int) -> list[str]:
     """cuDNN x the three remat policies, XLA x selective and cuDNN x selective in fp8 on one device; with
     several devices also tp and ZeRO-1/3 over all of them, ZeRO-3 in fp8 too (the module docstring says why)."""
-    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective", "cudnn-selective-fp8"]
+    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective", "cudnn-selective-fp8",
+             "cudnn-selective-fp8-delayed"]
     if n_devices > 1:
         names += [f"cudnn-tp{n_devices}", f"cudnn-dp{n_devices}-zero1", f"cudnn-dp{n_devices}-zero3",
                   f"cudnn-dp{n_devices}-zero3-fp8"]
@@ -118,6 +124,7 @@ def make_config(spec: dict, args) -> Config:
     steps = args.warmup + args.steps
     config = Config(mesh=MeshConfig(dp=spec["dp"], tp=spec["tp"]), zero=ZeroConfig(stage=spec["zero"]),
                     precision=spec["precision"], remat=RematConfig(policy=spec["remat"]),
+                    fp8=Fp8Config(recipe=spec["recipe"]),
                     model=dataclasses.replace(MODEL_SMOKE if args.smoke else MODEL_1B, attention=spec["attention"]),
                     train=TrainConfig(steps=steps, global_batch_size=args.batch * spec["dp"], seq_len=args.seq,
                                       warmup_steps=0))
@@ -183,6 +190,8 @@ def run_variant(args) -> None:
     data = SyntheticData(config, builder.batch_sharding())
     batches = [data.batch(i) for i in range(config.train.steps)]  # made before timing: host work not timed
     t0 = time.perf_counter()
+    if config.fp8_delayed:  # a fresh state's counters, as the trainer fills them (StepBuilder.calibrate_fp8)
+        state = jax.block_until_ready(builder.jit_calibrate_fp8()(state, batches[0]))
     step = builder.jit_train_step().lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
     log(f"compiled in {compile_s:.1f} s")

@@ -60,7 +60,8 @@ def check_rows(report: dict, names: list[str], out_dir: pathlib.Path, skipped=()
 def test_smoke_default_variants(tmp_path):
     """The one-GPU defaults on CPU: the cudnn variants (fp8's too) are skipped (exit 0), xla-selective runs."""
     report = run_smoke(tmp_path)
-    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective", "cudnn-selective-fp8"]
+    names = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective", "cudnn-selective-fp8",
+             "cudnn-selective-fp8-delayed"]
     check_rows(report, names, tmp_path, skipped=names[:3] + names[4:])
     assert report["xla_flags"] == USER_XLA_FLAGS  # the user's flags, and no GPU bundle added on CPU
     assert report["precision"] == "bf16" and report["platform"] == "cpu" and report["device_count"] == 1
@@ -71,31 +72,35 @@ def test_smoke_default_variants(tmp_path):
 @pytest.mark.slow
 def test_smoke_multi_device_variants(tmp_path):
     """tp and ZeRO-1/3 (the several-GPU variants) on emulated CPU devices, ZeRO-3 in fp8 too."""
-    names = ["xla-tp2", "dp2-zero1", "dp2-zero3-full", "dp2-zero3-full-fp8"]
+    names = ["xla-tp2", "dp2-zero1", "dp2-zero3-full", "dp2-zero3-full-fp8", "dp2-zero3-full-fp8-delayed"]
     report = run_smoke(tmp_path, "--variants", ",".join(names))
     check_rows(report, names, tmp_path)
-    assert [r["global_batch"] for r in report["variants"]] == [4, 8, 8, 8]  # --batch is per dp replica
-    assert [r["precision"] for r in report["variants"]] == ["bf16", "bf16", "bf16", "fp8"]
-    bf16, fp8 = report["variants"][2:]  # the same data and init: FP8 rounding moves the loss, a little
+    assert [r["global_batch"] for r in report["variants"]] == [4, 8, 8, 8, 8]  # --batch is per dp replica
+    assert [r["precision"] for r in report["variants"]] == ["bf16", "bf16", "bf16", "fp8", "fp8"]
+    bf16, fp8, delayed = report["variants"][2:]  # the same data and init: FP8 rounding moves the loss, a little
     assert fp8["loss"] != bf16["loss"] and fp8["loss"] == pytest.approx(bf16["loss"], rel=0.02)
+    assert delayed["recipe"] == "delayed" and delayed["loss"] == pytest.approx(bf16["loss"], rel=0.02)
 
 
 def test_variant_names_and_defaults():
     bench = load_bench()
     assert bench.parse_variant("selective", 1) == {"attention": "auto", "remat": "selective", "dp": 1, "tp": 1,
-                                                   "zero": 0, "precision": "bf16"}
+                                                   "zero": 0, "precision": "bf16", "recipe": "current"}
     assert bench.parse_variant("zero3", 8) == {"attention": "auto", "remat": "none", "dp": 8, "tp": 1, "zero": 3,
-                                               "precision": "bf16"}
+                                               "precision": "bf16", "recipe": "current"}
     assert bench.parse_variant("cudnn-tp2-zero1-full-fp8", 8) == {"attention": "cudnn", "remat": "full", "dp": 4,
-                                                                  "tp": 2, "zero": 1, "precision": "fp8"}
+                                                                  "tp": 2, "zero": 1, "precision": "fp8",
+                                                                  "recipe": "current"}
+    assert bench.parse_variant("cudnn-selective-fp8-delayed", 1)["recipe"] == "delayed"
     assert bench.parse_variant("xla-none", 1)["attention"] == "xla"
     with pytest.raises(ValueError, match="unknown part 'pp2'"):
         bench.parse_variant("pp2", 8)
-    one = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective", "cudnn-selective-fp8"]
+    one = ["cudnn-none", "cudnn-selective", "cudnn-full", "xla-selective", "cudnn-selective-fp8",
+           "cudnn-selective-fp8-delayed"]
     assert bench.default_variants(1) == one
     assert bench.default_variants(8) == one + ["cudnn-tp8", "cudnn-dp8-zero1", "cudnn-dp8-zero3", "cudnn-dp8-zero3-fp8"]
     assert [bool(bench.needs_gpu(bench.parse_variant(n, 8))) for n in bench.default_variants(8)] == \
-        [True, True, True, False, True, True, True, True, True]
+        [True, True, True, False, True, True, True, True, True, True]
     # fp8 variants on a GPU without FP8 tensor cores are skipped, with the reason; Hopper runs them
     fp8 = bench.parse_variant("cudnn-selective-fp8", 1)
     assert bench.lacks_fp8(fp8, "NVIDIA A100-SXM4-80GB") == "precision=fp8 needs FP8 tensor cores, which a100-80gb lacks"

@@ -201,6 +201,9 @@ LAYOUTS = {  # in `make test`
                                    zero=dict(stage=1), actions=dict(instruction_len=34)),
     # fp8.zero3_gather: each layer's all-reduce max of its linears' shard amaxes, before the layer's u8 gathers
     "fp8 ZeRO-3 gathers": lambda: make_config(dp=2, tp=4, stage=3, precision="fp8"),
+    # fp8.recipe=delayed: the counters' gradient summed over tp once, after the other reductions
+    "fp8 delayed, sequence parallel": lambda: _delayed(replace(make_config(dp=2, tp=4, stage=1),
+                                                               mesh=MeshConfig(dp=2, tp=4, sequence_parallel=True))),
 }
 SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     "ZeRO-0": lambda: make_config(dp=2, tp=4, stage=0),
@@ -240,9 +243,17 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     # K / V shared over tpv: their amaxes' all-reduce apart from the other linears' (zero.fp8_gather_scales)
     "fp8 ZeRO-3 gathers, KV heads shared": lambda: make_config(dp=2, tp=4, stage=3, precision="fp8",
                                                                model=dataclasses.replace(TINY_MODEL, n_kv_heads=2)),
+    "fp8 delayed 1f1b": lambda: _delayed(replace(make_config(dp=2, pp=2, tp=2, stage=1),
+                                                 pipeline=PipelineConfig(microbatches=4))),
+    "fp8 delayed ZeRO-3 prefetch": lambda: _delayed(replace(make_config(dp=2, tp=4, stage=3),
+                                                            remat=RematConfig(policy="full"))),
     "VLA cp ring 1f1b": lambda: _vla(mesh=dict(dp=1, pp=2, tp=2, cp=2, cp_strategy="ring"), vision=dict(tp=1),
                                      pipeline=dict(schedule="1f1b"), zero=dict(stage=1), actions=dict(instruction_len=34)),
 }
+
+
+def _delayed(config):
+    return replace(config, precision="fp8", fp8=replace(config.fp8, recipe="delayed"))
 
 
 def _cp(config, cp: int, strategy: str = "all_gather", sp: bool = False):
@@ -269,6 +280,17 @@ def test_every_collective_of_the_train_step_is_ordered(name):
 @pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
 def test_every_collective_of_the_train_step_is_ordered_in_more_layouts(name):
     _assert_ordered(_train_step_hlo(SLOW_LAYOUTS[name]()))
+
+
+@pytest.mark.parametrize("name", ["fp8 delayed, sequence parallel", pytest.param("fp8 delayed 1f1b",
+                                                                                 marks=pytest.mark.slow)])
+def test_every_collective_of_the_fp8_calibration_is_ordered(name):
+    """fp8.recipe=delayed's calibration pass (StepBuilder.calibrate_fp8): the step's gradient program, then the
+    counters' all-gather from the optimizer's shards, after the loss's sum."""
+    config = {**LAYOUTS, **SLOW_LAYOUTS}[name]()
+    builder = builder_for(config)
+    lowered = builder.jit_calibrate_fp8().lower(builder.abstract_state(), builder.abstract_batch())
+    _assert_ordered(lowered.compile(FAST_COMPILE).as_text())
 
 
 @pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])

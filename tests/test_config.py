@@ -43,7 +43,7 @@ OTHER_KEYS = {
     "actions.normalization": str, "actions.q01": tuple[float, ...], "actions.q99": tuple[float, ...],
     "data.cameras": tuple[str, ...], "data.eval_episodes": int, "eval.rollouts": int, "data.demo_format": str,
     "data.prefetch": int, "data.frame_cache_mb": int,
-    "compile.cache_dir": str, "fp8.recipe": str, "fp8.zero3_gather": str,
+    "compile.cache_dir": str, "fp8.recipe": str, "fp8.amax_history": int, "fp8.zero3_gather": str,
     "vision.image_mean": tuple[float, ...], "vision.image_std": tuple[float, ...], "vision.resize": str,
 }
 

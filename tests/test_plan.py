@@ -696,3 +696,17 @@ def test_a_pipelined_stage_quantizes_its_fp8_weights_once_per_step():
     expected_s = 5 * 16 * (activations + 50_601_984) / 3.35e12
     planned = cost.step_time(config, hardware.get("h100-80gb"), 8)["memory_parts"]["fp8"]
     assert planned == pytest.approx(expected_s, rel=1e-12)
+
+
+def test_delayed_fp8_reads_the_activations_once_and_the_weights_as_before():
+    """fp8.recipe=delayed, the same layout as above: the inputs' and output gradients' scales come from the
+    counters, so each element is read once and written in FP8 (3 bytes); the weights keep current scaling's
+    read for the amax, read to convert and write (5 bytes)."""
+    from jaxpar.planner.traffic import slot_counts
+    overrides = ["precision=fp8", "mesh.dp=1", "mesh.pp=2", "mesh.tp=4", "zero.stage=1", "pipeline.microbatches=8"]
+    config = load_config("llama7b.py", overrides + ["fp8.recipe=delayed"])
+    slots = slot_counts(config)
+    activations = 4096 * ((2 * 4096 + 1024 + 2752) * slots["F"] + (1024 + 2 * 1024 + 2 * 4096 + 2 * 2752) * slots["B"])
+    expected_s = 16 * (3 * activations + 5 * 50_601_984) / 3.35e12
+    planned = cost.step_time(config, hardware.get("h100-80gb"), 8)["memory_parts"]["fp8"]
+    assert planned == pytest.approx(expected_s, rel=1e-12)

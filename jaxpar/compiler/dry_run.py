@@ -61,7 +61,7 @@ def zero_formula_bytes(config: Config, psi_local: int, dp: int) -> dict[str, flo
 
 def local_param_count(builder: StepBuilder) -> int:
     """Psi of the ZeRO formulas: parameters one device holds before any dp sharding (tp/pp only)."""
-    specs = tree_specs(builder.axes, False, unused_mesh_axes(builder.mesh), builder.specs_rules)
+    specs = tree_specs(llama.param_axes(), False, unused_mesh_axes(builder.mesh), builder.specs_rules)  # (no FP8 counters)
     shapes = llama.param_shapes(builder.config.model)
     counts = jax.tree.map(lambda spec, shape: math.prod(NamedSharding(builder.mesh, spec).shard_shape(shape)),
                           specs, shapes, is_leaf=lambda x: isinstance(x, P))

@@ -4,7 +4,7 @@ a mistake costs no JAX start-up. jaxpar.config re-exports `validate` and the hel
 
 from __future__ import annotations
 
-from jaxpar.config.schema import (ATTENTION_KINDS, FP8_GATHERS, FP8_RECIPES, NAN_GUARDS, OFFLOAD_UPDATES,
+from jaxpar.config.schema import (ATTENTION_KINDS, FP8_BINS, FP8_GATHERS, FP8_RECIPES, NAN_GUARDS, OFFLOAD_UPDATES,
                                   PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig, Config, VisionConfig,
                                   vla_sequence_layout)
 from jaxpar.errors import ConfigError
@@ -51,8 +51,10 @@ def _validate_ranges(config: Config) -> None:
              f"remat.policy='{config.remat.policy}' is unknown; use one of {', '.join(REMAT_POLICIES)}")
     _require(config.precision in ("fp32", "bf16", "fp8"),
              f"precision='{config.precision}' is unknown; use fp32, bf16 or fp8")
-    _require(config.fp8.recipe in FP8_RECIPES, f"fp8.recipe='{config.fp8.recipe}' is unknown; use current (delayed "
-                                                f"scaling, with an amax history in the train state, is not built yet)")
+    _require(config.fp8.recipe in FP8_RECIPES,
+             f"fp8.recipe='{config.fp8.recipe}' is unknown; use {' or '.join(FP8_RECIPES)}")
+    _require(config.fp8.amax_history >= 1,
+             f"fp8.amax_history={config.fp8.amax_history} must be >= 1 (the steps whose amaxes delayed scaling keeps)")
     _require(config.fp8.zero3_gather in FP8_GATHERS,
              f"fp8.zero3_gather='{config.fp8.zero3_gather}' is unknown; use fp8 or bf16")
     _require(config.precision != "fp8" or config.pipeline.schedule != "zb",
@@ -156,6 +158,9 @@ def _validate_layout(config: Config) -> None:
         _require(model.d_model % ways == 0,
                  f"zero.stage={config.zero.stage} shards states over {over} on the d_model dim, but mesh.{over.replace(' x ', ' x mesh.')}"
                  f"={ways} does not divide model.d_model={model.d_model}; pick a layout that divides it or zero.stage=0")
+        _require(not config.fp8_delayed or FP8_BINS % ways == 0,
+                 f"fp8.recipe=delayed keeps {FP8_BINS} exponent bins per operand, which zero.stage={config.zero.stage} "
+                 f"shards over {over}={ways}; use a {over} that divides {FP8_BINS}, zero.stage=0 or fp8.recipe=current")
 
 
 def _validate_context_parallel(config: Config) -> None:

@@ -142,7 +142,8 @@ class RematConfig:
 REMAT_POLICIES = ("none", "dots", "selective", "offload", "full")  # jaxpar.parallel.remat
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb")
 ATTENTION_KINDS = ("auto", "xla", "cudnn")  # jaxpar.compiler.attention_choice
-FP8_RECIPES = ("current",)  # jaxpar.layers.fp8
+FP8_RECIPES = ("current", "delayed")  # jaxpar.layers.fp8
+FP8_BINS = 128  # delayed scaling's exponent bins per operand (jaxpar.layers.fp8.BINS)
 FP8_GATHERS = ("fp8", "bf16")  # fp8.zero3_gather
 # vision.resize: "area" (box down, bilinear up) or a PIL resampling filter (jaxpar.data.video.resize)
 RESIZE_FILTERS = ("area", "nearest", "bilinear", "bicubic", "lanczos", "box", "hamming")
@@ -340,12 +341,16 @@ class CompileConfig:
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
     """precision=fp8 (jaxpar.layers.fp8): how the FP8 GEMMs scale their operands. `current`: each
-    operand's own amax in each GEMM, a power-of-two scale (Megatron's current scaling; no state). The
-    delayed recipe (an amax history carried in the train state) is issue 47's next step.
+    operand's own amax in each GEMM, a power-of-two scale (Megatron's current scaling; no state).
+    `delayed` (Transformer Engine's and Flax's recipe): the LLM's linears scale their inputs and output
+    gradients by the largest amax of the last `amax_history` steps, kept as per-exponent counters in the
+    train state and the checkpoint (jaxpar.models.llama.FP8_LIVES); the weights, and the vision encoder's
+    linears, keep current scaling (fp8.py says why).
     `zero3_gather`: how ZeRO-3 gathers the linear layers' weights, `fp8` (as E4M3 with the whole weight's
     scale: half of bf16's bytes, and the GEMMs get the same FP8 weights, bit for bit) or `bf16`."""
 
     recipe: str = "current"
+    amax_history: int = 1024  # delayed: the steps an amax is remembered (Transformer Engine's and Flax's default)
     zero3_gather: str = "fp8"
 
 
@@ -380,6 +385,11 @@ class Config:
     def bf16_compute(self) -> bool:
         """bf16 compute copies over fp32 master weights (precision=bf16, and fp8, whose state is bf16's)."""
         return self.precision in ("bf16", "fp8")
+
+    @property
+    def fp8_delayed(self) -> bool:
+        """FP8 GEMMs with delayed scaling: the LLM's layers carry their counters (jaxpar.models.llama.FP8_LIVES)."""
+        return self.precision == "fp8" and self.fp8.recipe == "delayed"
 
 
 # ----------------------------------------------------------------------------- loading

@@ -33,6 +33,7 @@ def restore_weights(workdir: pathlib.Path, step: int | None = None):
 
     import jax
 
+    from jaxpar.models import llama
     from jaxpar.parallel.checkpoint import Checkpointer
     from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder
@@ -48,7 +49,9 @@ def restore_weights(workdir: pathlib.Path, step: int | None = None):
     field = "master" if abstract.master is not None else "params"
     weights, step = checkpoints.restore_weights(field, getattr(abstract, field), step)
     checkpoints.close()
-    return config, step, builder.to_model_order(jax.device_get(weights))
+    weights = builder.to_model_order(jax.device_get(weights))
+    weights["layers"].pop(llama.FP8_LIVES, None)  # fp8.recipe=delayed's counters: training state, not weights
+    return config, step, weights
 
 
 def run_tokenizer_file(config) -> pathlib.Path | None:

@@ -19,7 +19,7 @@ from jaxpar.layers.blockwise import balanced_order  # noqa: F401  (re-exported)
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
 from jaxpar.layers.order import (backward_ordered, chain_both_ways, cotangent_after, cotangent_summed,
                                  ordered_both_ways, ordering_on)
-from jaxpar.sharding import is_axes_leaf, leaf_names
+from jaxpar.sharding import FP8_BINS, is_axes_leaf, leaf_names
 
 
 def varying_of(aval) -> frozenset:
@@ -40,15 +40,26 @@ def typed_like(w: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def _array_of(w):
-    """A weight's array: itself, or an fp8.Quantized's weight (its shape and type)."""
+    """A weight's array: itself, or an fp8.Quantized's or fp8.Scaled's weight (its shape and type)."""
+    if isinstance(w, fp8.Scaled):
+        return _array_of(w.weight)
     return w.weight if isinstance(w, fp8.Quantized) else w
 
 
 def _each_array(fn: Callable, w):
-    """fn(w), or for an fp8.Quantized fn of its weight and of its bits (the per-tensor scale stays)."""
+    """fn(w), or for an fp8.Quantized fn of its weight and of its bits (the per-tensor scale stays; an
+    fp8.Scaled's counters stay too)."""
+    if isinstance(w, fp8.Scaled):
+        return dataclasses.replace(w, weight=_each_array(fn, w.weight))
     if isinstance(w, fp8.Quantized):
         return dataclasses.replace(w, weight=fn(w.weight), bits=fn(w.bits))
     return fn(w)
+
+
+def zero_dim_of(axes: tuple[str, ...], zero_logical: str) -> int:
+    """The dim ZeRO shards of a weight with logical `axes`: its `zero_logical` one, or for the FP8 counters
+    (which have none) their bins (jaxpar.sharding.FP8_BINS)."""
+    return axes.index(zero_logical if zero_logical in axes else FP8_BINS)
 
 
 def _as_tuple(axes) -> tuple[str, ...]:
@@ -92,6 +103,9 @@ class Collectives:
     fp8: bool = False
     # fp8.zero3_gather=fp8: the weights of these names (the models' LINEAR_WEIGHTS) are ZeRO-3-gathered as E4M3
     fp8_gathered: frozenset = frozenset()
+    # fp8.recipe=delayed's calibration pass (StepBuilder.calibrate_fp8): the counters' linears scale by their
+    # operands' own amaxes and record them
+    fp8_calibrating: bool = False
 
     def context_positions(self, local_len: int) -> jax.Array | None:
         """This rank's token positions in the whole sequence (its slice of balanced_order); None
@@ -124,12 +138,19 @@ class Collectives:
         pipeline can compute its input gradient and its weight gradient at different times."""
         if self.weight_grads is not None:
             return self.weight_grads.linear(equation, x, w)
+        lives = None
+        if isinstance(w, fp8.Scaled):  # fp8.recipe=delayed: the counters of this linear's scales
+            w, lives = w.weight, w.lives
         if self.fp8:  # a custom_vjp returns its inputs' types: each operand is typed as varying where the
-            # other does (a tp-invariant input of a column linear, the ViT's: its gradient's tp sum is the cast's)
-            if isinstance(w, fp8.Quantized):  # quantized ahead (ZeRO-3 FP8 gather, pipeline stage): bits feed the GEMM
-                return fp8.einsum(equation, typed_like(x, w.weight), typed_like(w.weight, x), (w.bits, w.scale))
-            return fp8.einsum(equation, typed_like(x, w), typed_like(w, x))
-        return jnp.einsum(equation, x, w)
+            # other does (a tp-invariant input of a column linear, the ViT's: its gradient's tp sum is the cast's).
+            # The counters arrive varying over tp (StepBuilder), so their cast adds no collective there.
+            weight = _array_of(w)
+            x, weight = typed_like(x, weight), typed_like(weight, x)
+            lives = None if lives is None else typed_like(typed_like(lives, x), weight)
+            # quantized ahead (ZeRO-3 FP8 gather, pipeline stage): the bits feed the GEMM
+            quantized = (w.bits, w.scale) if isinstance(w, fp8.Quantized) else None
+            return fp8.einsum(equation, x, weight, quantized, lives, self.fp8_calibrating)
+        return jnp.einsum(equation, x, _array_of(w))
 
     @property
     def matmul_rings(self) -> bool:
@@ -338,7 +359,7 @@ class Collectives:
         if self.zero2_axis:
             def use(pair, axes):
                 full, shard = pair
-                dim = axes.index(self.zero_logical_axis)
+                dim = zero_dim_of(axes, self.zero_logical_axis)
                 return self.zero_hooks.grad_tap(self.zero2_axis, dim, self.grad_reduce_dtype)(full, shard)
             axes_leaves, structure = jax.tree.flatten(logical_axes, is_leaf=is_axes_leaf)
             pairs = [tuple(pair) for pair in structure.flatten_up_to(params)]
@@ -348,7 +369,7 @@ class Collectives:
             return params
 
         def gather(w, axes, scale):
-            full = self.zero_hooks.gather_weight(self.zero3_axis, axes.index(self.zero_logical_axis),
+            full = self.zero_hooks.gather_weight(self.zero3_axis, zero_dim_of(axes, self.zero_logical_axis),
                                                 self.grad_reduce_dtype, scale)(w)
             return jax.tree.map(lambda a: checkpoint_name(a, self.zero_hooks.gathered_name), full)  # (fp8.Quantized)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ModelConfig
-from jaxpar.layers import vocab_parallel
+from jaxpar.layers import fp8, vocab_parallel
 from jaxpar.layers.attention import attention
 from jaxpar.layers.collectives import Collectives, after
 from jaxpar.layers.mlp import swiglu_mlp
@@ -31,18 +31,34 @@ LAYER_AXES = {
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
 }
-LINEAR_WEIGHTS = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})  # used only by Collectives.linear
+LINEAR_ORDER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the rows of the FP8 counters
+LINEAR_WEIGHTS = frozenset(LINEAR_ORDER)  # used only by Collectives.linear
+SAME_INPUT = {"wk": "wq", "wv": "wq", "w_up": "w_gate"}  # linears that read another's input (fp8.with_lives)
+# fp8.recipe=delayed: per layer, each linear's delayed-scaling counters (jaxpar.layers.fp8, "delayed scaling"),
+# stacked and sharded like a weight (ZeRO shards the bins), updated by the optimizer's counter rule, not AdamW
+FP8_LIVES = "fp8_lives"
+FP8_LIVES_AXES = ("fp8_linears", "fp8_operands", "fp8_bins")
 EMBED_AXES = ("vocab", "embed")
 HEAD_AXES = {"final_norm": ("embed",), "lm_head": ("embed", "vocab")}
 
 
-def param_axes() -> dict:
+def layer_axes(fp8_lives: bool = False) -> dict:
+    """One layer's logical axes; `fp8_lives`: with the delayed-scaling counters (FP8_LIVES)."""
+    return {**LAYER_AXES, FP8_LIVES: FP8_LIVES_AXES} if fp8_lives else LAYER_AXES
+
+
+def param_axes(fp8_lives: bool = False) -> dict:
     """Logical axes of every weight; the stacked layer weights gain a leading "layers" dim."""
     return {
         "embed": EMBED_AXES,
-        "layers": {name: ("layers",) + axes for name, axes in LAYER_AXES.items()},
+        "layers": {name: ("layers",) + axes for name, axes in layer_axes(fp8_lives).items()},
         **HEAD_AXES,
     }
+
+
+def fp8_lives_shape(cfg: ModelConfig) -> tuple[int, ...]:
+    """The stacked layers' delayed-scaling counters: [layers, linears, operands, bins]."""
+    return (cfg.n_layers, len(LINEAR_ORDER), len(fp8.OPERANDS), fp8.BINS)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -87,7 +103,8 @@ def decoder_layer(x_BxSxD: jax.Array, p: dict, cfg: ModelConfig, coll: Collectiv
     """One layer, `p` its (gathered) weights. With sequence parallelism `x_BxSxD` is this rank's
     sequence shard: the norms run on it, and each tensor-parallel block gathers the whole sequence on
     entry and reduce-scatters on exit (Collectives.enter_block, column_linears, row_linear: collective
-    matmuls where the Collectives say so)."""
+    matmuls where the Collectives say so). With fp8.recipe=delayed each linear takes its counters along."""
+    p = fp8.with_lives(p, LINEAR_ORDER, FP8_LIVES, SAME_INPUT)
     h_BxSxD = coll.enter_block(rms_norm(x_BxSxD, p["attn_norm"], cfg.norm_eps))
     x_BxSxD = x_BxSxD + attention(h_BxSxD, p, cfg.rope_theta, coll, prefix_len, implementation=cfg.attention,
                                   rope_scaling=cfg.rope_scaling)
@@ -113,7 +130,7 @@ def run_layers(x_BxSxD: jax.Array, layers: dict, cfg: ModelConfig, coll: Collect
     def layer(x, weights):
         return decoder_layer(x, weights, cfg, coll, prefix_len)
 
-    return coll.scan_layers(layer, x_BxSxD, layers, LAYER_AXES, remat_policy)
+    return coll.scan_layers(layer, x_BxSxD, layers, layer_axes(FP8_LIVES in layers), remat_policy)
 
 
 def embed_tokens(params: dict, ids_BxS: jax.Array, coll: Collectives) -> jax.Array:

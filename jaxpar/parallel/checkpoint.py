@@ -34,11 +34,14 @@ MODEL_FREE = ("attention",)  # the attention kernel (auto / xla / cudnn) changes
 def _model_fingerprint(config: Config) -> dict:
     """What must match for a checkpoint to restore: the model's shapes and the state's structure
     (precision decides whether fp32 master weights exist; clipping adds an optimizer-state entry).
-    The parallel layout may differ freely, and so may bf16 and fp8 (current scaling keeps no state: the
-    same tree, so a run may switch its GEMMs to FP8 or back on resume)."""
+    The parallel layout may differ freely, and so may bf16 and fp8 with current scaling (it keeps no state:
+    the same tree, so a run may switch its GEMMs to FP8 or back on resume); fp8.recipe=delayed's counters
+    are state, so a delayed checkpoint restores only into a delayed run and the other way round."""
     model = {k: v for k, v in dataclasses.asdict(config.model).items() if k not in MODEL_FREE}
-    out = {"model": model,
-           "state": {"precision": "bf16" if config.precision == "fp8" else config.precision, "clipping": config.train.grad_clip > 0}}
+    state = {"precision": "bf16" if config.precision == "fp8" else config.precision, "clipping": config.train.grad_clip > 0}
+    if config.fp8_delayed:  # the layers' FP8 counters (and the optimizer's partition): another tree
+        state["fp8_counters"] = True
+    out = {"model": model, "state": state}
     if config.model.kind == "vla":
         out["vision"] = {k: _as_json(v) for k, v in dataclasses.asdict(config.vision).items() if k not in VISION_FREE}
     return out

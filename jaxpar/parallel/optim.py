@@ -10,6 +10,8 @@ import jax
 import optax
 
 from jaxpar.config import TrainConfig
+from jaxpar.layers import fp8
+from jaxpar.models.llama import FP8_LIVES
 
 
 def lr_schedule(train: TrainConfig) -> optax.Schedule:
@@ -49,9 +51,32 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+def fp8_counter_rule(history: int) -> optax.GradientTransformationExtraArgs:
+    """fp8.recipe=delayed's update of the layers' counters (jaxpar.layers.fp8.next_lives): their "gradient"
+    is the sum of one-hot amax bins each linear's uses saw; the update sets a seen bin's counter to
+    `history` and counts the others down. No state, no learning rate: the NaN guard keeps the old counters
+    as it keeps the weights."""
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        return jax.tree.map(lambda g, lives: fp8.next_lives(lives, g, history) - lives, updates, params), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def is_fp8_counters(path) -> bool:
+    return FP8_LIVES in jax.tree_util.keystr(path)
+
+
+def make_optimizer(train: TrainConfig, fp8_history: int | None = None) -> optax.GradientTransformation:
+    """AdamW (after clipping, if train.grad_clip); with `fp8_history` (fp8.recipe=delayed) the layers' FP8
+    counters are updated by `fp8_counter_rule` instead (optax.partition: AdamW, the clipping and the decay
+    mask never see them; without it the optimizer state keeps the tree it always had)."""
     adamw = optax.adamw(lr_schedule(train), b1=train.b1, b2=train.b2, eps=train.eps,
                         weight_decay=train.weight_decay, mask=decay_mask)
     if train.grad_clip > 0:
-        return optax.chain(clip_by_global_norm(train.grad_clip), adamw)
-    return adamw
+        adamw = optax.chain(clip_by_global_norm(train.grad_clip), adamw)
+    if fp8_history is None:
+        return adamw
+    labels = lambda params: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, _: "fp8_counters" if is_fp8_counters(path) else "weights", params)
+    return optax.partition({"weights": adamw, "fp8_counters": fp8_counter_rule(fp8_history)}, labels)

@@ -44,7 +44,7 @@ from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
 from jaxpar.models import llama, vit, vla
 from jaxpar.parallel.optim import lr_schedule, make_optimizer
-from jaxpar.parallel import remat, schedule as pipeline_schedule, zero
+from jaxpar.parallel import fp8_counters, remat, schedule as pipeline_schedule, zero
 from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
 from jaxpar.parallel.split_backward import SplitBackward
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
@@ -64,6 +64,10 @@ class TrainState:
     master: Any  # fp32 master weights when precision=bf16 (ZeRO >= 1: dp-sharded); None for fp32
     opt_state: Any
     skipped: jax.Array  # steps not applied because their loss or gradients were not finite
+
+
+def _leaf_paths(tree) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _is_spec(x) -> bool:
@@ -121,7 +125,7 @@ class StepBuilder:
         self.config = config
         self.mesh = mesh
         self.stage = config.zero.stage
-        self.axes = llama.param_axes()  # the LLM's; the vision component keeps its own
+        self.axes = llama.param_axes(config.fp8_delayed)  # the LLM's; the vision component keeps its own
         ways = kv_head_ways(config.model.n_kv_heads, config.mesh.tp, tp_split_of(mesh))
         self.replicates_kv = ways == 1 and kv_heads_replicated(config.model.n_kv_heads, config.mesh.tp)
         self.specs_rules = llm_rules(mesh, config.model.n_kv_heads)
@@ -131,7 +135,9 @@ class StepBuilder:
             self.specs = self.specs.merged(self.vision.specs)
         self.seq_len = vla.sequence_layout(config)[2] if self.vision is not None else config.train.seq_len
         self.prefix_len = vla.prefix_len(config) if self.vision is not None else 0
-        self.tx = make_optimizer(config.train)
+        self.tx = make_optimizer(config.train, config.fp8.amax_history if config.fp8_delayed else None)
+        # fp8.recipe=delayed: the tp axes the layers' counters are typed varying over, then summed over
+        self.lives_axes = fp8_counters.tp_axes(mesh) if config.fp8_delayed else ()
         self.schedule = lr_schedule(config.train)
         self.bf16 = config.bf16_compute
         # ZeRO-3 gathers the linears' weights as E4M3 (fp8.zero3_gather; jaxpar.layers.fp8.all_gather_fp8)
@@ -140,6 +146,7 @@ class StepBuilder:
         # gradients are reduced over dp in fp32 unless grad_reduce=bf16 (Megatron's default is fp32 too)
         self.grad_reduce_dtype = jnp.bfloat16 if self.bf16 and config.grad_reduce == "bf16" else jnp.float32
         self.nan_guard = nan_guard_for(config.train, mesh.devices.flat[0].platform)  # cond or select
+        self.fp8_calibrating = False  # (fp8_counters.calibrate's copy of the builder)
         _check_host_memory(config, mesh)
         # the axes gradients are summed over (dp, and cp with context parallelism); None when they are
         # all of size 1: no data-parallel collectives at all
@@ -158,8 +165,10 @@ class StepBuilder:
 
     def _opt_state_specs(self):
         abstract_opt = jax.eval_shape(self.tx.init, self._abstract_params(jnp.float32))
-        return optax.tree_map_params(self.tx, lambda _, spec: spec, abstract_opt, self.specs.opt,
-                                     transform_non_params=lambda _: P(), is_leaf=_is_spec)
+        masked = optax.transforms.MaskedNode  # a leaf an optax.partition branch does not update (no state)
+        return optax.tree_map_params(self.tx, lambda leaf, spec: leaf if isinstance(leaf, masked) else spec,
+                                     abstract_opt, self.specs.opt, transform_non_params=lambda _: P(),
+                                     is_leaf=lambda x: _is_spec(x) or isinstance(x, masked))
 
     def _deviceless(self) -> bool:
         """A GPU dry run's devices (jax.experimental.topologies): no memories listed, no memory kinds kept."""
@@ -190,6 +199,8 @@ class StepBuilder:
 
     def _param_shapes(self) -> dict:
         shapes = llama.param_shapes(self.config.model)
+        if self.config.fp8_delayed:
+            shapes["layers"][llama.FP8_LIVES] = llama.fp8_lives_shape(self.config.model)
         if self.vision is not None:
             shapes.update(vit.param_shapes(self.config.vision, self.config.model.d_model))
         return shapes
@@ -216,6 +227,9 @@ class StepBuilder:
         """A fresh state (step 0, new optimizer moments) from the LLM's fp32 weights in model order;
         the vision encoder (if any) from `vision_weights` ({"vit": ...}) or `key`, its projector from `key`."""
         master = self.from_model_order(llm_weights)
+        if self.config.fp8_delayed and llama.FP8_LIVES not in master["layers"]:  # no bin seen yet
+            master["layers"] = {**master["layers"],
+                                llama.FP8_LIVES: jnp.zeros(llama.fp8_lives_shape(self.config.model), jnp.float32)}
         if self.vision is not None:
             vision = vit.init(self.config.vision, self.config.model.d_model, key)
             if vision_weights is not None:
@@ -243,6 +257,7 @@ class StepBuilder:
     def llm_weight_shardings(self) -> dict:
         """Where the LLM's fp32 weights go when a run starts from given weights (the master layout)."""
         llm = {k: v for k, v in self.specs.opt.items() if k not in VISION_KEYS}
+        llm["layers"] = {k: v for k, v in llm["layers"].items() if k != llama.FP8_LIVES}  # (state, not weights)
         return self._named(llm)
 
     def init_state_from(self, llm_weights, seed: int, vision_weights=None) -> TrainState:
@@ -285,7 +300,8 @@ class StepBuilder:
                            grad_reduce_dtype=self.grad_reduce_dtype if self.bf16 else None,
                            kv_heads_replicated=self.replicates_kv and tp is not None, zero_hooks=zero.LAYER_HOOKS,
                            collective_matmul=self.config.mesh.collective_matmul, fp8=self.config.precision == "fp8",
-                           fp8_gathered=llama.LINEAR_WEIGHTS if self.fp8_gathers else frozenset())
+                           fp8_gathered=llama.LINEAR_WEIGHTS if self.fp8_gathers else frozenset(),
+                           fp8_calibrating=self.fp8_calibrating)
 
     def remat_policy(self):
         """The per-layer jax.checkpoint policy (jaxpar.parallel.remat)."""
@@ -317,6 +333,7 @@ class StepBuilder:
         loss, grads, d_image = self._llm_loss_and_grads(llm_params, batch, image_tokens, token_count)
         if self.mesh.shape["pp"] == 1:  # the pipeline reduced each part already
             grads = self._reduce_grads_over_dp(grads)
+        grads = fp8_counters.summed_over_tp(grads, self.lives_axes)
         if vision_vjp is not None:  # (XLA:CPU) the encoder's backward after the LLM's reductions
             d_image = after(d_image.astype(image_tokens.dtype), grads)
             if self.context_ways > 1:  # the whole sequence's cotangent of the (whole) image tokens
@@ -335,6 +352,7 @@ class StepBuilder:
         """
         cfg, accum = self.config.model, self.config.train.grad_accum
         coll, policy = self.collectives(), self.remat_policy()
+        params = fp8_counters.varying_over_tp(params, self.lives_axes)
         if self.zero.reduces_after_backward or self.zero.taps_grads:  # each dp rank's own gradients
             params = jax.lax.pcast(params, self.data_axes, to="varying")  # (reduced below, or by ZeRO-2's taps)
         if self.mesh.shape["pp"] > 1:
@@ -502,7 +520,10 @@ class StepBuilder:
         reads only the part it updates."""
         axes = tuple(name for name, size in self.mesh.shape.items() if size > 1)
         total = None
-        for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(self.specs.grads, is_leaf=_is_spec)):
+        for path, g, spec in zip(_leaf_paths(grads), jax.tree.leaves(grads),
+                                 jax.tree.leaves(self.specs.grads, is_leaf=_is_spec)):
+            if llama.FP8_LIVES in path:  # bins seen, not a gradient (fp8.recipe=delayed)
+                continue
             split = {a for entry in spec for a in _axes_of(entry)}
             copies = self.mesh.size // max(1, int(np.prod([self.mesh.shape[a] for a in split])))
             part = jnp.sum(jnp.square(g.astype(jnp.float32))) / copies
@@ -625,6 +646,12 @@ class StepBuilder:
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(self.specs.opt,), out_specs=self.specs.params,
                              check_vma=False)(params)  # all_gather types its result dp-varying; it is not
+
+    def jit_calibrate_fp8(self):
+        """fp8.recipe=delayed: the calibration pass a fresh state's counters need (jaxpar.parallel.fp8_counters)."""
+        state_sh = self.state_shardings()
+        return jax.jit(functools.partial(fp8_counters.calibrate, self), in_shardings=(state_sh, self.batch_sharding()), out_shardings=state_sh,
+                       donate_argnums=(0,))
 
     def jit_train_step(self, with_grads: bool = False):
         state_sh = self.state_shardings()

@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.layers import fp8
-from jaxpar.layers.collectives import varying_of
+from jaxpar.layers.collectives import varying_of, zero_dim_of
 from jaxpar.layers.order import after, after_p, chain
 from jaxpar.sharding import Rules, is_axes_leaf, leaf_names, llm_rules, tree_specs, unused_mesh_axes, zero_dim
 
@@ -346,7 +346,7 @@ def prefetching_layer_scan(layer_fn: Callable, x: jax.Array, stacked_shards: Any
     and differentiated, and reduce-scatter layer i+1's gradient (deferred one layer) meanwhile. Only
     each layer's input is kept for the backward (full remat), never a gathered weight.
     """
-    dims = jax.tree.map(lambda axes: axes.index(zero_logical), layer_axes, is_leaf=is_axes_leaf)
+    dims = jax.tree.map(lambda axes: zero_dim_of(axes, zero_logical), layer_axes, is_leaf=is_axes_leaf)
     # When a gradient is taken the weights come as (shard, gradient sink) pairs (`with_sinks`): the values
     # are read from the shards (offload.params: in host memory, each layer's copied in by its gather, one
     # layer ahead like the gather) and the reduce-scattered gradients go to the sinks, in their dtype

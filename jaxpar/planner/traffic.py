@@ -34,6 +34,8 @@ t tokens, local widths d, q, kv, f of one tp rank):
   kept; with fp8.zero3_gather=fp8 each rank quantizes its 1/dp shard instead and the GEMMs read the
   gathered bits; a pipeline stage that gathers nothing quantizes its layers' weights once per step and
   its slots read the bits). None on a device without FP8 tensor cores (A100 refuses fp8) or in bf16.
+  fp8.recipe=delayed: the inputs and output gradients are read once (c + 1 per element: the scale comes from
+  the counters, so the amax and the cast are one pass); the weights keep current scaling.
 - ZeRO-3 with FP8 gathers: the linears' gathered weights are written and read in one byte.
 - launches: KERNELS_PER_LAYER_PASS kernels per executed layer pass at hardware.KERNEL_LAUNCH_S.
 Where the constants come from: LAYER_D, BACKWARD_RATIO, WEIGHT_SLICE_BYTES and ACCUMULATE_BYTES from
@@ -142,6 +144,9 @@ def fp8_quantize_bytes(config: Config, hw: Hardware, blk, t: int, per_layer: flo
     if config.precision != "fp8" or not hw.fp8_peak_flops:
         return 0.0
     per_element = 2 * 2 + 1  # bf16 compute (fp8's): read for the amax, read to convert, write the FP8 copy
+    # fp8.recipe=delayed: an input's or output gradient's scale is known before it is read, so its amax and its
+    # cast are one pass (the weights keep current scaling)
+    per_activation = 2 + 1 if config.fp8_delayed else per_element
     ups = 2 if blk.gated else 1
     inputs = t * (2 * blk.d + blk.q + blk.f)  # attention's (q / k / v), o's, the MLP's (gate / up), down's
     output_grads = t * (blk.q + 2 * blk.kv + 2 * blk.d + ups * blk.f)
@@ -152,4 +157,4 @@ def fp8_quantize_bytes(config: Config, hw: Hardware, blk, t: int, per_layer: flo
     gathers = config.zero.stage >= 3 and data_ways(config) > 1
     if config.mesh.pp > 1 and not gathers and not config.offload.params:  # a stage quantizes its layers once
         weight_passes = config.model.n_layers // config.mesh.pp  # per step (jaxpar.layers.fp8.quantize_stacked)
-    return per_element * (inputs * forwards + output_grads * passes["backward"] + weights * weight_passes)
+    return per_activation * (inputs * forwards + output_grads * passes["backward"]) + per_element * weights * weight_passes

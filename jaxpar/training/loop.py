@@ -123,8 +123,9 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
         profiler = StepProfiler(profile_steps(config), workdir, announce=tqdm.write if is_main else lambda _: None)
         with Preemption() as preemption, _watchdog(mesh, checkpoints) as watchdog:
             try:
+                calibrate = builder.jit_calibrate_fp8() if config.fp8_delayed and start == 0 else None
                 step = _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation,
-                                  profiler, watchdog)
+                                  profiler, watchdog, calibrate)
             finally:
                 profiler.close()
                 progress.close()
@@ -144,10 +145,11 @@ def _watchdog(mesh, checkpoints: Checkpointer):
 
 
 def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preemption, evaluation,
-               profiler: StepProfiler, watchdog: StepWatchdog | None = None) -> int:
+               profiler: StepProfiler, watchdog: StepWatchdog | None = None, calibrate=None) -> int:
     """The step loop; returns the last step run. Ends with a checkpoint of the last step (at the end,
     on preemption, or on a train.on_nan=stop), unless that step was just checkpointed, and, when the
-    run reached train.steps, an evaluation of it."""
+    run reached train.steps, an evaluation of it. `calibrate` (fp8.recipe=delayed from a fresh state):
+    run on the first batch before the first step (StepBuilder.calibrate_fp8)."""
     step, saved, every, steps = start, start, config.checkpoint.every, config.train.steps
     try:
         while step < steps and not preemption.should_stop(step):
@@ -156,6 +158,8 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
                 waited = time.perf_counter()
                 batch = data.next_batch()  # this process's rows read (or waited for) and placed on the devices
                 logger.data_wait(time.perf_counter() - waited)
+                if calibrate is not None and step == 0:
+                    state = calibrate(state, batch)
                 state, metrics = step_fn(state, batch)
             step += 1
             if watchdog is not None:

@@ -1,0 +1,74 @@
+"""fp8.recipe=delayed's counters in the parallel train step (the recipe itself: jaxpar.layers.fp8, "delayed
+scaling"; docs/design.md "Delayed scaling").
+
+The counters (`params["layers"][llama.FP8_LIVES]`) are replicated over tp like a norm, but each tp rank's
+linears see only their own shards' amaxes. Left to JAX, each linear would type them varying at its use and
+sum their cotangent over tp there: 7 more all-reduces in every layer's backward, each one more collective to
+order on XLA:CPU. Instead they enter the model typed varying over tp once (`varying_over_tp`), their
+cotangent stays on its rank through the whole backward, and it is summed over tp once, after every other
+reduction (`summed_over_tp`). dp, cp and pp need nothing of their own: the counters ride the weights'
+ZeRO reductions and pipeline stages.
+
+`calibrate`: a fresh state has seen no amax, so the trainer fills its counters from one forward and backward
+of the first batch with current scaling before the first step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jaxpar.layers import fp8
+from jaxpar.layers.order import after
+from jaxpar.models import llama
+from jaxpar.sharding import tensor_axes
+
+
+def tp_axes(mesh) -> tuple[str, ...]:
+    """The LLM's tp mesh axes that split anything (size > 1)."""
+    axes = tensor_axes(mesh)
+    return tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
+
+
+def _with_counters(tree: dict, value) -> dict:
+    return {**tree, "layers": {**tree["layers"], llama.FP8_LIVES: value}}
+
+
+def varying_over_tp(params: dict, axes: tuple[str, ...]) -> dict:
+    """The LLM's weights with the counters typed varying over `axes` (none: as they are)."""
+    if not axes:
+        return params
+    return _with_counters(params, jax.lax.pcast(params["layers"][llama.FP8_LIVES], axes, to="varying"))
+
+
+def summed_over_tp(grads: dict, axes: tuple[str, ...]) -> dict:
+    """The counters' cotangent (each use's one-hot amax bins) summed over `axes` after every other gradient
+    reduction (XLA:CPU: one order). A bin any shard saw is nonzero in the sum: the max over the shards."""
+    if not axes:
+        return grads
+    return _with_counters(grads, jax.lax.psum(after(grads["layers"][llama.FP8_LIVES], grads), axes))
+
+
+def calibrate(builder, state, batch: dict):
+    """The counters of a fresh state from `batch` (Transformer Engine's calibration, run once): its forward and
+    backward with each linear scaled by its operands' own amaxes (Collectives.fp8_calibrating), whose bins
+    become the counters as a step's would. Nothing else changes: the weights, the optimizer state and the step
+    count stay, and the first train step then runs on the same batch. Why: a scale of 1 (Transformer Engine's
+    and Flax's start) flushes the first step's output gradients below E5M2's subnormals."""
+    from jaxpar.parallel.step import _gather_axes
+
+    calibrating = copy.copy(builder)
+    calibrating.fp8_calibrating = True
+    loss, grads, _ = calibrating.loss_and_grads(state.params, batch)
+    seen = after(grads["layers"][llama.FP8_LIVES].astype(jnp.float32), loss)  # (XLA:CPU: the loss's sum first)
+    lives = fp8.next_lives(jnp.zeros_like(seen), seen, builder.config.fp8.amax_history)
+    spec_opt, spec_params = (specs["layers"][llama.FP8_LIVES] for specs in (builder.specs.opt, builder.specs.params))
+    lives = jax.lax.with_sharding_constraint(lives, NamedSharding(builder.mesh, spec_opt))
+    compute = lives.astype(builder.compute_dtype)
+    if (how := _gather_axes(spec_opt, spec_params)) is not None:  # ZeRO 1-2: the optimizer's shards, gathered
+        compute = jax.shard_map(lambda a: jax.lax.all_gather(a, how[1], axis=how[0], tiled=True), mesh=builder.mesh,
+                                in_specs=spec_opt, out_specs=spec_params, check_vma=False)(compute)
+    return state.replace(master=_with_counters(state.master, lives), params=_with_counters(state.params, compute))
