@@ -190,7 +190,7 @@ def run_variant(args) -> None:
     data = SyntheticData(config, builder.batch_sharding())
     batches = [data.batch(i) for i in range(config.train.steps)]  # made before timing: host work not timed
     t0 = time.perf_counter()
-    if config.fp8_delayed:  # a fresh state's counters, as the trainer fills them (StepBuilder.calibrate_fp8)
+    if config.fp8_delayed:  # a fresh state's counters, as the trainer fills them (fp8_counters.calibrate)
         state = jax.block_until_ready(builder.jit_calibrate_fp8()(state, batches[0]))
     step = builder.jit_train_step().lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0

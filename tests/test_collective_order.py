@@ -285,7 +285,7 @@ def test_every_collective_of_the_train_step_is_ordered_in_more_layouts(name):
 @pytest.mark.parametrize("name", ["fp8 delayed, sequence parallel", pytest.param("fp8 delayed 1f1b",
                                                                                  marks=pytest.mark.slow)])
 def test_every_collective_of_the_fp8_calibration_is_ordered(name):
-    """fp8.recipe=delayed's calibration pass (StepBuilder.calibrate_fp8): the step's gradient program, then the
+    """fp8.recipe=delayed's calibration pass (fp8_counters.calibrate): the step's gradient program, then the
     counters' all-gather from the optimizer's shards, after the loss's sum."""
     config = {**LAYOUTS, **SLOW_LAYOUTS}[name]()
     builder = builder_for(config)

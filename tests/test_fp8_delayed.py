@@ -111,7 +111,7 @@ def one_device():
 
 @pytest.mark.parametrize("layout", [
     dict(dp=8, stage=1),
-    dict(dp=2, tp=4, stage=3),
+    pytest.param(dict(dp=2, tp=4, stage=3), marks=pytest.mark.slow),  # make test's budget (dp 8 ZeRO-1 runs there)
     pytest.param(dict(tp=4, sequence_parallel=True), marks=pytest.mark.slow),
     pytest.param(dict(dp=2, stage=2, grad_accum=2), marks=pytest.mark.slow),
     pytest.param(dict(dp=2, pp=2, tp=2, stage=1, microbatches=4), marks=pytest.mark.slow),

@@ -19,24 +19,8 @@ from jaxpar.layers.blockwise import balanced_order  # noqa: F401  (re-exported)
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
 from jaxpar.layers.order import (backward_ordered, chain_both_ways, cotangent_after, cotangent_summed,
                                  ordered_both_ways, ordering_on)
+from jaxpar.layers.vma import typed_like, varying_of  # noqa: F401  (re-exported: the parallel code types with them)
 from jaxpar.sharding import FP8_BINS, is_axes_leaf, leaf_names
-
-
-def varying_of(aval) -> frozenset:
-    """The manual mesh axes an abstract value is typed as differing over (check_vma); jax 0.10 keeps
-    them in `manual_axis_type.varying`, later versions in `vma`."""
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        axis_type = getattr(aval, "manual_axis_type", None)
-        return frozenset(axis_type.varying if axis_type is not None else ())
-    return frozenset(vma)
-
-
-def typed_like(w: jax.Array, x: jax.Array) -> jax.Array:
-    """`w` typed as varying over every manual axis `x` varies over, as einsum casts it implicitly (a custom_vjp
-    must be handed it so: its weight gradient then has the weight's type, and JAX sums it outside)."""
-    missing = tuple(sorted(varying_of(jax.typeof(x)) - varying_of(jax.typeof(w))))
-    return jax.lax.pcast(w, missing, to="varying") if missing else w
 
 
 def _array_of(w):
@@ -103,7 +87,7 @@ class Collectives:
     fp8: bool = False
     # fp8.zero3_gather=fp8: the weights of these names (the models' LINEAR_WEIGHTS) are ZeRO-3-gathered as E4M3
     fp8_gathered: frozenset = frozenset()
-    # fp8.recipe=delayed's calibration pass (StepBuilder.calibrate_fp8): the counters' linears scale by their
+    # fp8.recipe=delayed's calibration pass (fp8_counters.calibrate): the counters' linears scale by their
     # operands' own amaxes and record them
     fp8_calibrating: bool = False
 
@@ -143,7 +127,7 @@ class Collectives:
             w, lives = w.weight, w.lives
         if self.fp8:  # a custom_vjp returns its inputs' types: each operand is typed as varying where the
             # other does (a tp-invariant input of a column linear, the ViT's: its gradient's tp sum is the cast's).
-            # The counters arrive varying over tp (StepBuilder), so their cast adds no collective there.
+            # The counters arrive varying over tp (jaxpar.parallel.fp8_counters): their cast adds no collective there.
             weight = _array_of(w)
             x, weight = typed_like(x, weight), typed_like(weight, x)
             lives = None if lives is None else typed_like(typed_like(lives, x), weight)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jaxpar.config.schema import FP8_BINS
 from jaxpar.layers.collective_matmul import transposed_equations
 from jaxpar.layers.order import after
+from jaxpar.layers.vma import typed_like
 
 FORWARD = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, max 448
 BACKWARD = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344 (their range varies more)
@@ -89,12 +90,12 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 # history of a tensor's amax needs only its exponents: per operand a row of BINS life counters, one per
 # exponent EXPONENT_MIN + b. The scale is 2^(the highest bin alive). A fresh state has none: the trainer
 # first runs one calibration pass (forward and backward of the first batch, current scaling, no update) that
-# fills them (StepBuilder.calibrate_fp8; Transformer Engine's and Flax's initial scale of 1 instead would
+# fills them (jaxpar.parallel.fp8_counters.calibrate; Transformer Engine's and Flax's initial scale of 1 instead would
 # flush the first step's output gradients, ~1e-5 here, below E5M2's subnormals). What a step saw comes back
 # as the cotangent of the counters: a one-hot row per operand and use. Every reduction a gradient meets is a
 # sum (tp, dp, microbatches, pipeline ticks, layers' scan), and a sum of one-hots is nonzero exactly in the
 # bins some shard or use saw, so the max over all of them is exact whatever the order
-# (docs/design.md "Delayed scaling"). The optimizer's `fp8_lives` rule turns it into the next counters.
+# (docs/design.md "Delayed scaling"). The optimizer's counter rule (jaxpar.parallel.optim.fp8_counter_rule) turns it into the next counters.
 OPERANDS = ("input", "output_gradient")  # the rows of a linear's counters; the weight scales itself (below)
 BINS = FP8_BINS
 EXPONENT_MIN = -64  # bin b: scale 2^(EXPONENT_MIN + b); amaxes from ~2^-55 to ~2^78 fit their bins
@@ -102,8 +103,9 @@ EXPONENT_MIN = -64  # bin b: scale 2^(EXPONENT_MIN + b); amaxes from ~2^-55 to ~
 
 def delayed_scale(lives: jax.Array, amax_now: jax.Array, dtype, calibrating: bool = False) -> jax.Array:
     """The scale of one operand from its counters [BINS]: 2^(the highest bin alive), 1 if none is (an operand
-    all zero for `amax_history` steps). `calibrating` (the step that fills a fresh state's counters, StepBuilder.
-    calibrate_fp8): the current scale of `amax_now`, the operand's own amax in `dtype`. Without calibration
+    all zero for `amax_history` steps). `calibrating` (the pass that fills a fresh state's counters,
+    jaxpar.parallel.fp8_counters.calibrate): the current scale of `amax_now`, the operand's own amax in `dtype`.
+    Without calibration
     the scale never waits for the operand's amax, so the compiled program can cast as it reads."""
     if calibrating:
         return scale_for(amax_now, dtype)
@@ -274,17 +276,11 @@ def _backward(equation, calibrating, residuals, d_out):
     else:  # the counters' cotangent: the bins this use saw, typed as the counters are (`Scaled`)
         d_row, x_max = kept_lives
         sd = delayed_scale(d_row, d_max, BACKWARD, calibrating)
-        d_lives = _typed_as(jnp.stack([seen(x_max, FORWARD, d_row.dtype), seen(d_max, BACKWARD, d_row.dtype)]),
+        d_lives = typed_like(jnp.stack([seen(x_max, FORWARD, d_row.dtype), seen(d_max, BACKWARD, d_row.dtype)]),
                             d_row)
     qd = cast(d_out, sd, BACKWARD)
     return (_scaled_dot(dx_eq, qd, qw, sd * sw, d_out.dtype), _scaled_dot(dw_eq, qx, qd, sx * sd, w.dtype),
             None, d_lives)
-
-
-def _typed_as(value: jax.Array, like: jax.Array) -> jax.Array:
-    """`value` cast to varying over the manual axes `like` varies over and it does not (no communication)."""
-    from jaxpar.layers.collectives import typed_like  # (collectives imports this module)
-    return typed_like(value, like)
 
 
 einsum.defvjp(_forward, _backward)

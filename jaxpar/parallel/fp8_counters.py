@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jaxpar.layers import fp8
 from jaxpar.layers.order import after
 from jaxpar.models import llama
+from jaxpar.parallel.zero import gather_axes
 from jaxpar.sharding import tensor_axes
 
 
@@ -58,8 +59,6 @@ def calibrate(builder, state, batch: dict):
     become the counters as a step's would. Nothing else changes: the weights, the optimizer state and the step
     count stay, and the first train step then runs on the same batch. Why: a scale of 1 (Transformer Engine's
     and Flax's start) flushes the first step's output gradients below E5M2's subnormals."""
-    from jaxpar.parallel.step import _gather_axes
-
     calibrating = copy.copy(builder)
     calibrating.fp8_calibrating = True
     loss, grads, _ = calibrating.loss_and_grads(state.params, batch)
@@ -68,7 +67,7 @@ def calibrate(builder, state, batch: dict):
     spec_opt, spec_params = (specs["layers"][llama.FP8_LIVES] for specs in (builder.specs.opt, builder.specs.params))
     lives = jax.lax.with_sharding_constraint(lives, NamedSharding(builder.mesh, spec_opt))
     compute = lives.astype(builder.compute_dtype)
-    if (how := _gather_axes(spec_opt, spec_params)) is not None:  # ZeRO 1-2: the optimizer's shards, gathered
+    if (how := gather_axes(spec_opt, spec_params)) is not None:  # ZeRO 1-2: the optimizer's shards, gathered
         compute = jax.shard_map(lambda a: jax.lax.all_gather(a, how[1], axis=how[0], tiled=True), mesh=builder.mesh,
                                 in_specs=spec_opt, out_specs=spec_params, check_vma=False)(compute)
     return state.replace(master=_with_counters(state.master, lives), params=_with_counters(state.params, compute))

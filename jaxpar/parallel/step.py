@@ -49,7 +49,7 @@ from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
 from jaxpar.parallel.split_backward import SplitBackward
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
-from jaxpar.parallel.zero import StateSpecs, ZeroPlan, reduce_gradients
+from jaxpar.parallel.zero import StateSpecs, ZeroPlan, gather_axes, reduce_gradients
 from jaxpar.sharding import CP, DP, data_axes, kv_head_ways, kv_heads_replicated, llm_rules, tensor_axes, tp_split_of, zero_dim
 
 
@@ -76,20 +76,6 @@ def _is_spec(x) -> bool:
 
 def _axes_of(entry) -> tuple:
     return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-
-
-def _gather_axes(source: P, target: P):
-    """(dim, mesh axes) to all-gather an array laid out as `source` into `target`: the one dim where
-    `source` splits over more axes, those axes last in its entry (ZeRO's); None when alike."""
-    source, target = tuple(source) + (None,) * (len(target) - len(source)), tuple(target) + (None,) * (len(source) - len(target))
-    differ = [d for d, (a, b) in enumerate(zip(source, target)) if _axes_of(a) != _axes_of(b)]
-    if not differ:
-        return None
-    (dim,) = differ
-    have, want = _axes_of(source[dim]), _axes_of(target[dim])
-    if have[:len(want)] != want:
-        raise ValueError(f"cannot gather {source} into {target}")
-    return dim, have[len(want):]
 
 
 def _check_host_memory(config: Config, mesh) -> None:
@@ -631,7 +617,7 @@ class StepBuilder:
         """The updated weights from the optimizer's layout into the parameters' (ZeRO 1 and 2: an
         all-gather over dp of each weight), written out in a shard_map so that on XLA:CPU the gathers
         run one after another (jaxpar.layers.order); a weight laid out alike in both stays as it is."""
-        gathers = jax.tree.map(_gather_axes, self.specs.opt, self.specs.params, is_leaf=_is_spec)
+        gathers = jax.tree.map(gather_axes, self.specs.opt, self.specs.params, is_leaf=_is_spec)
         if all(g is None for g in jax.tree.leaves(gathers, is_leaf=lambda g: g is None or isinstance(g, tuple))):
             return jax.lax.with_sharding_constraint(params, self.state_shardings().params)  # (offloaded: to the host)
 

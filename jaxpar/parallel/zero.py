@@ -129,6 +129,25 @@ class ZeroPlan:
         return self.dp > 1 and not (self.gathers_weights or self.taps_grads or self.reduces_in_backward)
 
 
+def _mesh_axes(entry) -> tuple:
+    return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
+
+def gather_axes(source, target):
+    """(dim, mesh axes) to all-gather an array laid out as PartitionSpec `source` into `target` (the optimizer's
+    ZeRO 1-2 shard into the parameters' layout): the one dim where `source` splits over more axes, those axes
+    last in its entry (ZeRO's); None when alike."""
+    source, target = tuple(source) + (None,) * (len(target) - len(source)), tuple(target) + (None,) * (len(source) - len(target))
+    differ = [d for d, (a, b) in enumerate(zip(source, target)) if _mesh_axes(a) != _mesh_axes(b)]
+    if not differ:
+        return None
+    (dim,) = differ
+    have, want = _mesh_axes(source[dim]), _mesh_axes(target[dim])
+    if have[:len(want)] != want:
+        raise ValueError(f"cannot gather {source} into {target}")
+    return dim, have[len(want):]
+
+
 def reduce_gradients(grads, logical_axes, mesh_axes, scatter: bool, rules: Rules, dtype):
     """Sum gradients over `mesh_axes` (ZeRO 0: all-reduce) or reduce-scatter each one on its ZeRO
     dim (ZeRO 1-2), moving them in `dtype` (fp32 by default; bf16 with grad_reduce=bf16), in which

@@ -149,7 +149,7 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
     """The step loop; returns the last step run. Ends with a checkpoint of the last step (at the end,
     on preemption, or on a train.on_nan=stop), unless that step was just checkpointed, and, when the
     run reached train.steps, an evaluation of it. `calibrate` (fp8.recipe=delayed from a fresh state):
-    run on the first batch before the first step (StepBuilder.calibrate_fp8)."""
+    run on the first batch before the first step (fp8_counters.calibrate)."""
     step, saved, every, steps = start, start, config.checkpoint.every, config.train.steps
     try:
         while step < steps and not preemption.should_stop(step):
