@@ -183,7 +183,7 @@ def test_a_skipped_step_leaves_the_counters_as_they_were():
                               before["layers"][llama.FP8_LIVES])  # the next step moves them again
 
 
-def test_the_counters_are_state_the_optimizer_and_the_norm_leave_alone(one_device):
+def test_the_counters_are_state_the_optimizer_and_the_norm_leave_alone():
     """No AdamW moments, no weight decay, no part in the gradient norm: the partition gives the counters their own
     rule, and the step's grad_norm is the same whether the counters exist or not (bins seen are no gradient)."""
     config = delayed(make_config())
