@@ -636,8 +636,8 @@ class StepBuilder:
     def jit_calibrate_fp8(self):
         """fp8.recipe=delayed: the calibration pass a fresh state's counters need (jaxpar.parallel.fp8_counters)."""
         state_sh = self.state_shardings()
-        return jax.jit(functools.partial(fp8_counters.calibrate, self), in_shardings=(state_sh, self.batch_sharding()), out_shardings=state_sh,
-                       donate_argnums=(0,))
+        return jax.jit(functools.partial(fp8_counters.calibrate, self), in_shardings=(state_sh, self.batch_sharding()),
+                       out_shardings=state_sh, donate_argnums=(0,))
 
     def jit_train_step(self, with_grads: bool = False):
         state_sh = self.state_shardings()
