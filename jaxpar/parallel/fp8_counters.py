@@ -24,14 +24,13 @@ from jax.sharding import NamedSharding
 from jaxpar.layers import fp8
 from jaxpar.layers.order import after
 from jaxpar.models import llama
-from jaxpar.parallel.zero import gather_axes
+from jaxpar.parallel.zero import gather_axes, mesh_axes_of
 from jaxpar.sharding import tensor_axes
 
 
 def tp_axes(mesh) -> tuple[str, ...]:
     """The LLM's tp mesh axes that split anything (size > 1)."""
-    axes = tensor_axes(mesh)
-    return tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
+    return tuple(a for a in mesh_axes_of(tensor_axes(mesh)) if mesh.shape[a] > 1)
 
 
 def _with_counters(tree: dict, value) -> dict:

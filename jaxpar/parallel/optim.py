@@ -64,6 +64,7 @@ def fp8_counter_rule(history: int) -> optax.GradientTransformationExtraArgs:
 
 
 def is_fp8_counters(path) -> bool:
+    """Whether a tree path (jax.tree_util's) leads to the layers' FP8 counters: state, not a weight."""
     return FP8_LIVES in jax.tree_util.keystr(path)
 
 

@@ -43,13 +43,13 @@ from jaxpar.layers import fp8
 from jaxpar.layers.collectives import Collectives, varying_of
 from jaxpar.layers.order import after, chain
 from jaxpar.models import llama, vit, vla
-from jaxpar.parallel.optim import lr_schedule, make_optimizer
+from jaxpar.parallel.optim import is_fp8_counters, lr_schedule, make_optimizer
 from jaxpar.parallel import fp8_counters, remat, schedule as pipeline_schedule, zero
 from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
 from jaxpar.parallel.split_backward import SplitBackward
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
-from jaxpar.parallel.zero import StateSpecs, ZeroPlan, gather_axes, reduce_gradients
+from jaxpar.parallel.zero import StateSpecs, ZeroPlan, gather_axes, mesh_axes_of, reduce_gradients
 from jaxpar.sharding import CP, DP, data_axes, kv_head_ways, kv_heads_replicated, llm_rules, tensor_axes, tp_split_of, zero_dim
 
 
@@ -66,16 +66,8 @@ class TrainState:
     skipped: jax.Array  # steps not applied because their loss or gradients were not finite
 
 
-def _leaf_paths(tree) -> list[str]:
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
 def _is_spec(x) -> bool:
     return isinstance(x, P)
-
-
-def _axes_of(entry) -> tuple:
-    return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
 
 
 def _check_host_memory(config: Config, mesh) -> None:
@@ -407,7 +399,7 @@ class StepBuilder:
         extra_at = None
         if self.sums_own_images:  # microbatch i's rows of the dp shard, from this rank's own images
             ways, m = int(np.prod(self.vision.split_sizes)), self.config.pipeline.microbatches
-            reduce_axes = _axes_of(head_coll.tp_axis)
+            reduce_axes = mesh_axes_of(head_coll.tp_axis)
 
             def extra_at(own_tokens, i):
                 rows = own_tokens.shape[0] * ways // m  # a microbatch's rows of the dp shard's batch
@@ -506,11 +498,11 @@ class StepBuilder:
         reads only the part it updates."""
         axes = tuple(name for name, size in self.mesh.shape.items() if size > 1)
         total = None
-        for path, g, spec in zip(_leaf_paths(grads), jax.tree.leaves(grads),
-                                 jax.tree.leaves(self.specs.grads, is_leaf=_is_spec)):
-            if llama.FP8_LIVES in path:  # bins seen, not a gradient (fp8.recipe=delayed)
+        for (path, g), spec in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                   jax.tree.leaves(self.specs.grads, is_leaf=_is_spec)):
+            if is_fp8_counters(path):  # bins seen, not a gradient (fp8.recipe=delayed)
                 continue
-            split = {a for entry in spec for a in _axes_of(entry)}
+            split = {a for entry in spec for a in mesh_axes_of(entry)}
             copies = self.mesh.size // max(1, int(np.prod([self.mesh.shape[a] for a in split])))
             part = jnp.sum(jnp.square(g.astype(jnp.float32))) / copies
             total = part if total is None else total + part

@@ -129,7 +129,8 @@ class ZeroPlan:
         return self.dp > 1 and not (self.gathers_weights or self.taps_grads or self.reduces_in_backward)
 
 
-def _mesh_axes(entry) -> tuple:
+def mesh_axes_of(entry) -> tuple:
+    """A PartitionSpec entry (or a Collectives axis) as a tuple of mesh axes: None -> (), "tp" -> ("tp",)."""
     return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
 
 
@@ -138,11 +139,11 @@ def gather_axes(source, target):
     ZeRO 1-2 shard into the parameters' layout): the one dim where `source` splits over more axes, those axes
     last in its entry (ZeRO's); None when alike."""
     source, target = tuple(source) + (None,) * (len(target) - len(source)), tuple(target) + (None,) * (len(source) - len(target))
-    differ = [d for d, (a, b) in enumerate(zip(source, target)) if _mesh_axes(a) != _mesh_axes(b)]
+    differ = [d for d, (a, b) in enumerate(zip(source, target)) if mesh_axes_of(a) != mesh_axes_of(b)]
     if not differ:
         return None
     (dim,) = differ
-    have, want = _mesh_axes(source[dim]), _mesh_axes(target[dim])
+    have, want = mesh_axes_of(source[dim]), mesh_axes_of(target[dim])
     if have[:len(want)] != want:
         raise ValueError(f"cannot gather {source} into {target}")
     return dim, have[len(want):]
