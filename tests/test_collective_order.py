@@ -249,6 +249,12 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
                                                             remat=RematConfig(policy="full"))),
     "VLA cp ring 1f1b": lambda: _vla(mesh=dict(dp=1, pp=2, tp=2, cp=2, cp_strategy="ring"), vision=dict(tp=1),
                                      pipeline=dict(schedule="1f1b"), zero=dict(stage=1), actions=dict(instruction_len=34)),
+    # zb under fp8: B's FP8 input gradients, W's FP8 weight gradients and the counters' bins from W
+    "fp8 delayed zb": lambda: _delayed(replace(make_config(dp=2, pp=2, tp=2, stage=1),
+                                               pipeline=PipelineConfig(microbatches=4, schedule="zb"))),
+    # the encoder's and projector's counters: summed over the data axes, then in one all-reduce over its tp
+    "fp8 delayed VLA 1f1b": lambda: _delayed(_vla(mesh=dict(dp=2, pp=2, tp=2), vision=dict(tp=2),
+                                                  pipeline=dict(schedule="1f1b"), zero=dict(stage=1))),
 }
 
 
@@ -282,8 +288,9 @@ def test_every_collective_of_the_train_step_is_ordered_in_more_layouts(name):
     _assert_ordered(_train_step_hlo(SLOW_LAYOUTS[name]()))
 
 
-@pytest.mark.parametrize("name", ["fp8 delayed, sequence parallel", pytest.param("fp8 delayed 1f1b",
-                                                                                 marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["fp8 delayed, sequence parallel", *(pytest.param(name, marks=pytest.mark.slow)
+                                                                      for name in ("fp8 delayed 1f1b",
+                                                                                   "fp8 delayed VLA 1f1b"))])
 def test_every_collective_of_the_fp8_calibration_is_ordered(name):
     """fp8.recipe=delayed's calibration pass (fp8_counters.calibrate): the step's gradient program, then the
     counters' all-gather from the optimizer's shards, after the loss's sum."""

@@ -115,6 +115,7 @@ def one_device():
     pytest.param(dict(tp=4, sequence_parallel=True), marks=pytest.mark.slow),
     pytest.param(dict(dp=2, stage=2, grad_accum=2), marks=pytest.mark.slow),
     pytest.param(dict(dp=2, pp=2, tp=2, stage=1, microbatches=4), marks=pytest.mark.slow),
+    pytest.param(dict(pp=2, tp=2, stage=1, microbatches=4, schedule="zb"), marks=pytest.mark.slow),  # counters in W
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_every_layout_keeps_one_devices_counters_and_tracks_its_loss(layout, one_device):
     """lr 0 (the weights held still): the counters equal one device's bit for bit after calibration (where the
@@ -122,11 +123,12 @@ def test_every_layout_keeps_one_devices_counters_and_tracks_its_loss(layout, one
     and after three steps; with lr 1e-3 the losses track one device's within fp8's layout tolerance."""
     layout = dict(layout)
     microbatches, sp = layout.pop("microbatches", None), layout.pop("sequence_parallel", False)
+    schedule = layout.pop("schedule", "1f1b")
     config = make_config(**layout)
     if sp:
         config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence_parallel=True))
     if microbatches:
-        config = dataclasses.replace(config, pipeline=PipelineConfig(microbatches=microbatches))
+        config = dataclasses.replace(config, pipeline=PipelineConfig(microbatches=microbatches, schedule=schedule))
     calibrated, _, counters, _ = run_delayed(delayed(config, lr=0.0))
     ref_calibrated, _, ref_counters, _ = one_device[0.0]
     if not (microbatches or layout.get("grad_accum")):
@@ -268,39 +270,77 @@ def test_the_recipe_is_checked_in_one_line():
     delayed(make_config(dp=3, stage=0, model=model, global_batch_size=12))  # nothing sharded: fine
 
 
-@pytest.mark.slow  # make test's budget: a pipelined VLA and its single device, twice
-def test_the_vlas_llm_keeps_one_devices_counters():
-    """The VLA's LLM under pp 2 x tp 4 with the vision encoder over its own tp 2, lr 0, after calibration and
-    three steps: the inputs' counters are one device's bit for bit (every example shows the same image: the
-    encoder's linears keep current scaling, whose per-shard amaxes round differing images' tokens apart from one
-    device's); the output gradients' scales within one bin of one device's. Why not exact: the layout's bf16
-    sums round the gradients of the few action positions apart, and an amax near a power of two moves to the
-    neighbouring bin (measured: 4 of the 56 output-gradient rows' scales, each by one bin)."""
-    import test_vla
+def vla_counters(config, same_image: bool):
+    """A VLA's counters after calibration on the first of three synthetic batches (model order; "vit" and
+    "projector": the encoder's blocks' and the projector's, "layers": the LLM's), then after the three steps.
+    `same_image`: every example shows the first one's image."""
     from jaxpar.models import vla
 
-    def counters(config):
-        b = builder_for(config)
-        state = b.init_state(0)
-        data = []
-        for i in range(3):
-            batch = vla.synthetic_batch(config, i, config.train.global_batch_size)
-            batch["images"] = np.broadcast_to(batch["images"][:1], batch["images"].shape).copy()  # (docstring)
-            data.append(jax.device_put(batch, b.batch_sharding()))
-        state = b.jit_calibrate_fp8()(state, data[0])
-        step = b.jit_train_step()
-        for batch in data:
-            state, _ = step(state, batch)
-        return np.asarray(b.to_model_order(jax.device_get(state.master))["layers"][llama.FP8_LIVES])
+    b = builder_for(config)
+    state, data = b.init_state(0), []
+    for i in range(3):
+        batch = vla.synthetic_batch(config, i, config.train.global_batch_size)
+        if same_image:
+            batch["images"] = np.broadcast_to(batch["images"][:1], batch["images"].shape).copy()
+        data.append(jax.device_put(batch, b.batch_sharding()))
+    state = b.jit_calibrate_fp8()(state, data[0])
 
-    def as_delayed(config):
-        return test_vla.with_values(config, fp8=dict(recipe="delayed", amax_history=HISTORY), train=dict(lr=0.0))
+    def of(master):
+        master = b.to_model_order(jax.device_get(master))
+        return {"layers": np.asarray(master["layers"][llama.FP8_LIVES]),
+                "vit": np.asarray(master["vit"]["blocks"][llama.FP8_LIVES]),
+                "projector": np.asarray(master["projector"][llama.FP8_LIVES])}
 
-    single = dataclasses.replace(as_delayed(test_vla.SINGLE), precision="fp8")
-    layout = test_vla.with_values(dataclasses.replace(as_delayed(test_vla.BASE), precision="fp8"),
-                                  mesh=dict(dp=1, pp=2, tp=4), vision=dict(tp=2), zero=dict(stage=1))
-    expected, got = counters(single), counters(layout)
-    assert np.max(expected) == HISTORY
-    np.testing.assert_array_equal(got[:, :, 0], expected[:, :, 0])
-    top = lambda lives: np.max(np.where(lives > 0, np.arange(fp8.BINS), -1), axis=-1)  # noqa: E731
-    assert np.all(np.abs(top(got[:, :, 1]) - top(expected[:, :, 1])) <= 1)
+    calibrated, step = of(state.master), b.jit_train_step()
+    for batch in data:
+        state, _ = step(state, batch)
+    return calibrated, of(state.master)
+
+
+def vla_delayed(config, **groups):
+    import test_vla
+    return test_vla.with_values(dataclasses.replace(config, precision="fp8"), train=dict(lr=0.0),
+                                fp8=dict(recipe="delayed", amax_history=HISTORY), **groups)
+
+
+def top_bins(lives: np.ndarray) -> np.ndarray:
+    """Each row's highest living bin (-1: none): the exponent of its scale."""
+    return np.max(np.where(lives > 0, np.arange(fp8.BINS), -1), axis=-1)
+
+
+def test_the_vlas_encoder_and_projector_calibrate_their_counters():
+    """The encoder's and the projector's linears keep counters too (fp8.recipe=delayed scales every FP8 linear's
+    input and output gradient from its history): calibration fills one bin of each row, K's and V's input rows
+    excepted (they read Q's), and three steps keep them alive at the history."""
+    import test_vla
+    from jaxpar.models import vit
+
+    calibrated, counters = vla_counters(vla_delayed(test_vla.SINGLE), same_image=False)
+    alive = {key: np.sum(calibrated[key] == HISTORY, axis=-1) for key in ("vit", "projector")}
+    for row, name in enumerate(vit.BLOCK_LINEARS):
+        assert np.all(alive["vit"][:, row] == ([0, 1] if name in vit.SAME_INPUT else [1, 1])), name
+    assert np.all(alive["projector"] == 1)
+    assert all(np.max(counters[key]) == HISTORY for key in ("vit", "projector"))
+
+
+@pytest.mark.slow  # make test's budget: a pipelined VLA and its single device, twice
+def test_the_vlas_counters_are_one_devices_in_a_layout():
+    """The VLA under pp 2 x tp 4 with the vision encoder over its own tp 2 (its images split over dp x pp and
+    the rest of tp), lr 0, after calibration and three steps.
+    - The encoder's and the projector's input counters are one device's bit for bit, each example with its own
+      image; their output gradients' scales within one bin.
+    - The LLM's input counters are one device's bit for bit when every example shows the same image (the
+      encoder's weights keep current scaling per tp shard, which rounds differing images' tokens apart from one
+      device's); its output gradients' scales within one bin.
+    Why not exact: the layout's bf16 sums round the gradients apart, and an amax near a power of two moves to
+    the neighbouring bin (measured: 4 of the LLM's 56 output-gradient rows, each by one bin)."""
+    import test_vla
+
+    layout = dict(mesh=dict(dp=1, pp=2, tp=4), vision=dict(tp=2), zero=dict(stage=1))
+    for same_image, keys in ((False, ("vit", "projector")), (True, ("layers",))):
+        _, expected = vla_counters(vla_delayed(test_vla.SINGLE), same_image)
+        _, got = vla_counters(vla_delayed(test_vla.BASE, **layout), same_image)
+        for key in keys:
+            assert np.max(expected[key]) == HISTORY, key
+            np.testing.assert_array_equal(got[key][..., 0, :], expected[key][..., 0, :], err_msg=key)
+            assert np.all(np.abs(top_bins(got[key][..., 1, :]) - top_bins(expected[key][..., 1, :])) <= 1), key

@@ -57,9 +57,6 @@ def _validate_ranges(config: Config) -> None:
              f"fp8.amax_history={config.fp8.amax_history} must be >= 1 (the steps whose amaxes delayed scaling keeps)")
     _require(config.fp8.zero3_gather in FP8_GATHERS,
              f"fp8.zero3_gather='{config.fp8.zero3_gather}' is unknown; use fp8 or bf16")
-    _require(config.precision != "fp8" or config.pipeline.schedule != "zb",
-             "precision=fp8 with pipeline.schedule=zb is not supported yet (zb defers the weight GEMMs outside "
-             "the FP8 linear); use pipeline.schedule=1f1b")
     _require(config.grad_reduce in ("fp32", "bf16"),
              f"grad_reduce='{config.grad_reduce}' is unknown; use fp32 or bf16")
     for key, value, allowed in (("model.attention", config.model.attention, ATTENTION_KINDS),

@@ -342,10 +342,10 @@ class CompileConfig:
 class Fp8Config:
     """precision=fp8 (jaxpar.layers.fp8): how the FP8 GEMMs scale their operands. `current`: each
     operand's own amax in each GEMM, a power-of-two scale (Megatron's current scaling; no state).
-    `delayed` (Transformer Engine's and Flax's recipe): the LLM's linears scale their inputs and output
-    gradients by the largest amax of the last `amax_history` steps, kept as per-exponent counters in the
-    train state and the checkpoint (jaxpar.models.llama.FP8_LIVES); the weights, and the vision encoder's
-    linears, keep current scaling (fp8.py says why).
+    `delayed` (Transformer Engine's and Flax's recipe): the linears (the LLM's, and a VLA's encoder's and
+    projector's) scale their inputs and output gradients by the largest amax of the last `amax_history` steps,
+    kept as per-exponent counters in the train state and the checkpoint (jaxpar.models.llama.FP8_LIVES,
+    jaxpar.models.vit.fp8_lives_shapes); the weights keep current scaling (fp8.py says why).
     `zero3_gather`: how ZeRO-3 gathers the linear layers' weights, `fp8` (as E4M3 with the whole weight's
     scale: half of bf16's bytes, and the GEMMs get the same FP8 weights, bit for bit) or `bf16`."""
 
@@ -388,7 +388,7 @@ class Config:
 
     @property
     def fp8_delayed(self) -> bool:
-        """FP8 GEMMs with delayed scaling: the LLM's layers carry their counters (jaxpar.models.llama.FP8_LIVES)."""
+        """FP8 GEMMs with delayed scaling: the linears carry their counters (jaxpar.models.llama.FP8_LIVES)."""
         return self.precision == "fp8" and self.fp8.recipe == "delayed"
 
 

@@ -33,7 +33,7 @@ def restore_weights(workdir: pathlib.Path, step: int | None = None):
 
     import jax
 
-    from jaxpar.models import llama
+    from jaxpar.models import llama, vit
     from jaxpar.parallel.checkpoint import Checkpointer
     from jaxpar.parallel.mesh import Layout
     from jaxpar.parallel.step import StepBuilder
@@ -51,6 +51,7 @@ def restore_weights(workdir: pathlib.Path, step: int | None = None):
     checkpoints.close()
     weights = builder.to_model_order(jax.device_get(weights))
     weights["layers"].pop(llama.FP8_LIVES, None)  # fp8.recipe=delayed's counters: training state, not weights
+    weights = vit.without_fp8_lives(weights)  # (a VLA's encoder's and projector's)
     return config, step, weights
 
 

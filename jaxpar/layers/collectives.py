@@ -120,8 +120,13 @@ class Collectives:
     def linear(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
         """A weight matmul, einsum(equation, x, w). The model calls it for every linear so that a zb
         pipeline can compute its input gradient and its weight gradient at different times."""
-        if self.weight_grads is not None:
-            return self.weight_grads.linear(equation, x, w)
+        if self.weight_grads is not None:  # zb: the split backward calls `matmul` itself (B, then W)
+            return self.weight_grads.linear(equation, x, w, self.matmul)
+        return self.matmul(equation, x, w)
+
+    def matmul(self, equation: str, x: jax.Array, w: Any) -> jax.Array:
+        """`linear`'s product itself: under fp8 an FP8 GEMM (jaxpar.layers.fp8.einsum) of `w`, a weight, an
+        fp8.Quantized (its bits quantized ahead) or an fp8.Scaled (with its delayed-scaling counters)."""
         lives = None
         if isinstance(w, fp8.Scaled):  # fp8.recipe=delayed: the counters of this linear's scales
             w, lives = w.weight, w.lives

@@ -32,9 +32,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import VisionConfig, patches_per_image
+from jaxpar.layers import fp8
 from jaxpar.layers.attention import core_attention, kernel
 from jaxpar.layers.collectives import Collectives
 from jaxpar.layers.norm import layer_norm
+from jaxpar.models.llama import FP8_LIVES, FP8_LIVES_AXES
 
 BLOCK_AXES = {
     "ln1_scale": ("vit_embed",), "ln1_bias": ("vit_embed",),
@@ -53,6 +55,11 @@ STEM_AXES = {"patch_embed": ("patch", "vit_embed"), "pos_embed": ("patches", "vi
              "final_scale": ("vit_embed",), "final_bias": ("vit_embed",)}
 PROJECTOR_AXES = {"w1": ("vit_embed", "proj_mlp"), "w2": ("proj_mlp", "embed")}
 FILM_AXES = {"film_embed": ("bytes", "vit_embed"), "film_proj": ("vit_embed", "vit_layers", "film_out")}
+# fp8.recipe=delayed: the blocks' and the projector's linears carry delayed-scaling counters as the LLM's layers do
+# (jaxpar.models.llama.FP8_LIVES; rows in these orders), K and V taking Q's input counters
+BLOCK_LINEARS = ("wq", "wk", "wv", "wo", "w_in", "w_out")
+PROJECTOR_LINEARS = ("w1", "w2")
+SAME_INPUT = {"wk": "wq", "wv": "wq"}
 INSTRUCTION_VOCAB = 256  # FiLM reads the instruction's UTF-8 bytes (jaxpar.data.instructions); 0 pads
 
 
@@ -60,10 +67,51 @@ def block_axes(cfg: VisionConfig) -> dict:
     return {**BLOCK_AXES, **(BLOCK_BIAS_AXES if cfg.bias else {})}
 
 
-def param_axes(cfg: VisionConfig) -> dict:
+def param_axes(cfg: VisionConfig, fp8_lives: bool = False) -> dict:
+    """Logical axes of every weight; `fp8_lives`: with the delayed-scaling counters (`fp8_lives_shapes`)."""
     stem = {**STEM_AXES, **(FILM_AXES if cfg.film else {}), **({"patch_bias": ("vit_embed",)} if cfg.bias else {})}
-    return {"vit": {**stem, "blocks": {k: ("vit_layers",) + v for k, v in block_axes(cfg).items()}},
-            "projector": PROJECTOR_AXES}
+    blocks = {k: ("vit_layers",) + v for k, v in block_axes(cfg).items()}
+    projector = dict(PROJECTOR_AXES)
+    if fp8_lives:
+        blocks[FP8_LIVES], projector[FP8_LIVES] = ("vit_layers",) + FP8_LIVES_AXES, FP8_LIVES_AXES
+    return {"vit": {**stem, "blocks": blocks}, "projector": projector}
+
+
+def fp8_lives_shapes(cfg: VisionConfig) -> dict:
+    """fp8.recipe=delayed's counters, [(blocks,) linears, operands, bins], where they sit in the tree."""
+    per_linear = (len(fp8.OPERANDS), fp8.BINS)
+    return {"vit": {"blocks": {FP8_LIVES: (cfg.depth, len(BLOCK_LINEARS)) + per_linear}},
+            "projector": {FP8_LIVES: (len(PROJECTOR_LINEARS),) + per_linear}}
+
+
+def with_fp8_lives(params: dict, cfg: VisionConfig) -> dict:
+    """`params` ({"vit", "projector"}) with counters that have seen nothing (zeros) where it has none."""
+    shapes = fp8_lives_shapes(cfg)
+    vit = {**params["vit"], "blocks": {FP8_LIVES: jnp.zeros(shapes["vit"]["blocks"][FP8_LIVES], jnp.float32),
+                                       **params["vit"]["blocks"]}}
+    projector = {FP8_LIVES: jnp.zeros(shapes["projector"][FP8_LIVES], jnp.float32), **params["projector"]}
+    return {**params, "vit": vit, "projector": projector}
+
+
+def without_fp8_lives(weights: dict) -> dict:
+    """The weights alone (the counters are training state): what inference and the export read."""
+    weights = dict(weights)
+    if "vit" in weights:
+        weights["vit"] = {**weights["vit"], "blocks": {k: v for k, v in weights["vit"]["blocks"].items()
+                                                       if k != FP8_LIVES}}
+    if "projector" in weights:
+        weights["projector"] = {k: v for k, v in weights["projector"].items() if k != FP8_LIVES}
+    return weights
+
+
+def _linears_with_lives(params: dict, coll: Collectives, axes: dict, names: tuple, same_input=None) -> dict:
+    """`params`' weights gathered for use (Collectives.gather_weights), each linear of `names` paired with its
+    counters (fp8.with_lives) when `params` carries them."""
+    weights = coll.gather_weights({k: v for k, v in params.items() if k != FP8_LIVES},
+                                  {k: v for k, v in axes.items() if k in params})
+    if FP8_LIVES in params:
+        weights = fp8.with_lives({**weights, FP8_LIVES: params[FP8_LIVES]}, names, FP8_LIVES, same_input)
+    return weights
 
 
 def param_shapes(cfg: VisionConfig, llm_width: int) -> dict:
@@ -192,7 +240,7 @@ def patchify(images_BxHxWxC: jax.Array, patch: int) -> jax.Array:
 def vit_block(x_BxNxD: jax.Array, p: dict, coll: Collectives, attention: str = "xla") -> jax.Array:
     """One pre-LN block; `attention` is the core-attention kernel (jaxpar.layers.attention.kernel).
     GELU is the tanh approximation (jax's default; SigLIP's gelu_pytorch_tanh)."""
-    p = coll.gather_weights(p, {k: v for k, v in {**BLOCK_AXES, **BLOCK_BIAS_AXES}.items() if k in p})
+    p = _linears_with_lives(p, coll, {**BLOCK_AXES, **BLOCK_BIAS_AXES}, BLOCK_LINEARS, SAME_INPUT)
     bias = lambda name: p.get(name, 0.0)  # noqa: E731  (vision.bias=false: no biases)
     h = layer_norm(x_BxNxD, p["ln1_scale"], p["ln1_bias"])
     q, k, v = (checkpoint_name(coll.linear("bnd,dhk->bnhk", h, p[w]) + bias(b), name)
@@ -212,7 +260,7 @@ def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll:
     """Images (and, with cfg.film, the instruction bytes) -> projected image tokens
     [B, cameras x patches, llm_width] in the params' dtype."""
     x = features(params, images_BxCamxHxWxC, cfg, coll, remat_policy, instruction_BxT)
-    proj = coll.gather_weights(params["projector"], PROJECTOR_AXES)
+    proj = _linears_with_lives(params["projector"], coll, PROJECTOR_AXES, PROJECTOR_LINEARS)
     hidden = jax.nn.gelu(coll.linear("bnd,df->bnf", x, proj["w1"]))
     tokens = coll.tp_sum(coll.linear("bnf,fd->bnd", hidden, proj["w2"]))  # Megatron's column / row pair over tp
     b = images_BxCamxHxWxC.shape[0]

@@ -39,8 +39,8 @@ def _model_fingerprint(config: Config) -> dict:
     are state, so a delayed checkpoint restores only into a delayed run and the other way round."""
     model = {k: v for k, v in dataclasses.asdict(config.model).items() if k not in MODEL_FREE}
     state = {"precision": "bf16" if config.precision == "fp8" else config.precision, "clipping": config.train.grad_clip > 0}
-    if config.fp8_delayed:  # the layers' FP8 counters (and the optimizer's partition): another tree
-        state["fp8_counters"] = True
+    if config.fp8_delayed:  # the FP8 counters (and the optimizer's partition): another tree
+        state["fp8_counters"] = "llm and vision" if config.model.kind == "vla" else True
     out = {"model": model, "state": state}
     if config.model.kind == "vla":
         out["vision"] = {k: _as_json(v) for k, v in dataclasses.asdict(config.vision).items() if k not in VISION_FREE}

@@ -9,8 +9,9 @@ cotangent stays on its rank through the whole backward, and it is summed over tp
 reduction (`summed_over_tp`). dp, cp and pp need nothing of their own: the counters ride the weights'
 ZeRO reductions and pipeline stages.
 
-`calibrate`: a fresh state has seen no amax, so the trainer fills its counters from one forward and backward
-of the first batch with current scaling before the first step.
+`calibrate`: a fresh state has seen no amax, so the trainer fills its counters (the LLM's, and a VLA's
+encoder's: jaxpar.parallel.vision) from one forward and backward of the first batch with current scaling
+before the first step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jax.sharding import NamedSharding
 from jaxpar.layers import fp8
 from jaxpar.layers.order import after
 from jaxpar.models import llama
+from jaxpar.parallel.optim import is_fp8_counters
 from jaxpar.parallel.zero import gather_axes, mesh_axes_of
 from jaxpar.sharding import tensor_axes
 
@@ -55,18 +57,34 @@ def summed_over_tp(grads: dict, axes: tuple[str, ...]) -> dict:
 def calibrate(builder, state, batch: dict):
     """The counters of a fresh state from `batch` (Transformer Engine's calibration, run once): its forward and
     backward with each linear scaled by its operands' own amaxes (Collectives.fp8_calibrating), whose bins
-    become the counters as a step's would. Nothing else changes: the weights, the optimizer state and the step
-    count stay, and the first train step then runs on the same batch. Why: a scale of 1 (Transformer Engine's
-    and Flax's start) flushes the first step's output gradients below E5M2's subnormals."""
+    become the counters as a step's would: the LLM's layers' and a VLA's encoder's and projector's. Nothing else
+    changes: the weights, the optimizer state and the step count stay, and the first train step then runs on the
+    same batch. Why: a scale of 1 (Transformer Engine's and Flax's start) flushes the first step's output
+    gradients below E5M2's subnormals."""
     calibrating = copy.copy(builder)
     calibrating.fp8_calibrating = True
     loss, grads, _ = calibrating.loss_and_grads(state.params, batch)
-    seen = after(grads["layers"][llama.FP8_LIVES].astype(jnp.float32), loss)  # (XLA:CPU: the loss's sum first)
-    lives = fp8.next_lives(jnp.zeros_like(seen), seen, builder.config.fp8.amax_history)
-    spec_opt, spec_params = (specs["layers"][llama.FP8_LIVES] for specs in (builder.specs.opt, builder.specs.params))
-    lives = jax.lax.with_sharding_constraint(lives, NamedSharding(builder.mesh, spec_opt))
-    compute = lives.astype(builder.compute_dtype)
-    if (how := gather_axes(spec_opt, spec_params)) is not None:  # ZeRO 1-2: the optimizer's shards, gathered
-        compute = jax.shard_map(lambda a: jax.lax.all_gather(a, how[1], axis=how[0], tiled=True), mesh=builder.mesh,
-                                in_specs=spec_opt, out_specs=spec_params, check_vma=False)(compute)
-    return state.replace(master=_with_counters(state.master, lives), params=_with_counters(state.params, compute))
+    grads = after(grads, loss)  # (XLA:CPU: the loss's sum first)
+    history, mesh = builder.config.fp8.amax_history, builder.mesh
+    master, compute = {}, {}
+    for path, seen in jax.tree_util.tree_leaves_with_path(grads):
+        if not is_fp8_counters(path):
+            continue
+        spec_opt, spec_params = (_at(specs, path) for specs in (builder.specs.opt, builder.specs.params))
+        lives = fp8.next_lives(jnp.zeros(seen.shape, jnp.float32), seen.astype(jnp.float32), history)
+        master[path] = jax.lax.with_sharding_constraint(lives, NamedSharding(mesh, spec_opt))
+        compute[path] = master[path].astype(builder.compute_dtype)
+        if (how := gather_axes(spec_opt, spec_params)) is not None:  # ZeRO 1-2: the optimizer's shards, gathered
+            compute[path] = jax.shard_map(lambda a, how=how: jax.lax.all_gather(a, how[1], axis=how[0], tiled=True),
+                                          mesh=mesh, in_specs=spec_opt, out_specs=spec_params,
+                                          check_vma=False)(compute[path])
+    replaced = lambda new: lambda path, x: new.get(path, x)  # noqa: E731
+    return state.replace(master=jax.tree_util.tree_map_with_path(replaced(master), state.master),
+                         params=jax.tree_util.tree_map_with_path(replaced(compute), state.params))
+
+
+def _at(tree, path):
+    """The entry of a tree of dicts at a key path."""
+    for key in path:
+        tree = tree[key.key]
+    return tree

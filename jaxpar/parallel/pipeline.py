@@ -154,6 +154,11 @@ class Pipeline(FirstInputs):
         size = count // self.v
         return jax.tree.map(lambda w: jax.lax.dynamic_slice_in_dim(w, chunk * size, size, 0), layers)
 
+    def _unprepared(self, tree):
+        """A tree like the prepared layers (a chunk's cotangent, or zb's masks of it) as the stored layers'
+        (`StagePieces.prepared_grads`; the identity when nothing is prepared)."""
+        return self.pieces.prepared_grads(tree) if self.pieces.prepared_grads else tree
+
     def _add_chunk(self, acc, grads, chunk, only=None):
         """Accumulate a chunk's gradients (fp32) into the device's layer accumulator, which holds the
         chunks whose gradients are not final yet (0, 1, ...: the top ones leave it as they finish).
@@ -255,11 +260,11 @@ class Pipeline(FirstInputs):
             write = jnp.where(mb >= 0, slot, self.table.stash_slots)
             carry = {**carry, "dy_stash": [jax.lax.dynamic_update_index_in_dim(buf, g, write, 0)
                                            for buf, g in zip(carry["dy_stash"], dy)]}
-            only = jax.tree.map(lambda m: not m, ctx["stash"].matrix)  # the matrix weights' come in W
+            only = self._unprepared(jax.tree.map(lambda m: not m, ctx["stash"].matrix))  # the matrix weights' in W
         else:
             d_chunk, dx = ctx["stash"].backward(self._chunk(ctx["layers"], chunk), acts, cot)
             only = None
-        d_chunk = self.pieces.prepared_grads(d_chunk) if self.pieces.prepared_grads else d_chunk
+        d_chunk = self._unprepared(d_chunk)
         grads = {**carry["grads"], "layers": self._add_chunk(carry["grads"]["layers"], d_chunk, chunk, only)}
         dx = after(dx, d_chunk)  # the tick's sends after the chunk's weight-gradient sums (sp norms: XLA:CPU)
         first_mb = row["B"][0]
@@ -278,8 +283,8 @@ class Pipeline(FirstInputs):
         chunk = row["Wc"][jax.lax.axis_index(PP)]
         dy = [after(buf[slot], dependency) for buf in carry["dy_stash"]]
         acts = [buf[slot] for buf in carry["stash"]]
-        d_chunk = ctx["stash"].weight_grads(self._chunk(ctx["layers"], chunk), acts, dy, ctx["x0"])
-        layers = self._add_chunk(carry["grads"]["layers"], d_chunk, chunk, only=ctx["stash"].matrix)
+        d_chunk = self._unprepared(ctx["stash"].weight_grads(self._chunk(ctx["layers"], chunk), acts, dy, ctx["x0"]))
+        layers = self._add_chunk(carry["grads"]["layers"], d_chunk, chunk, only=self._unprepared(ctx["stash"].matrix))
         return {**carry, "grads": {**carry["grads"], "layers": layers}}
 
     def _tick(self, ctx, kinds: str):

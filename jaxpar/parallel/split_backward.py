@@ -20,7 +20,8 @@ The model takes part only by calling `Collectives.linear` for its weight matmuls
 scan, `Collectives.scan_layers`); both hand over to the `SplitBackward` the pipeline put into the
 collectives. Its mode is Python state set while a function is traced: None (plain einsum, every
 other use of the same model code), "shapes" (one layer traced to learn the probes' and inputs'
-types), "B" or "W". The cost: the stash keeps the linears' inputs, and the output gradients
+types), "B" or "W". Every pass computes the product with the collectives' own `matmul`, so under
+precision=fp8 B's dx and W's dw are the FP8 linear's GEMMs (docs/design.md "FP8 GEMMs"). The cost: the stash keeps the linears' inputs, and the output gradients
 of every linear wait in their own buffer from B to W (docs/design.md, "Zero bubble").
 """
 
@@ -47,11 +48,12 @@ class SplitBackward:
         self._w_inputs = None  # W: (the kept linear inputs, the output gradients), stacked by layer
 
     # ----------------------------------------------------------------- called from Collectives
-    def linear(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-        """einsum(equation, x, w), with the current mode's extra (module docstring)."""
+    def linear(self, equation: str, x: jax.Array, w, matmul: Callable = jnp.einsum) -> jax.Array:
+        """matmul(equation, x, w) (Collectives.matmul: a plain einsum, or under fp8 an FP8 GEMM whose `w` may
+        carry its quantized bits or counters), with the current mode's extra (module docstring)."""
         state = self._layer_state
         if self.mode is None:
-            return jnp.einsum(equation, x, w)
+            return matmul(equation, x, w)
         call = state["calls"]
         state["calls"] += 1
         if self.mode == "shapes":
@@ -60,7 +62,7 @@ class SplitBackward:
             if index is None:
                 index = len(seen)
                 seen.append(x)
-            y = jnp.einsum(equation, x, w)
+            y = matmul(equation, x, w)
             state["probe_avals"].append(jax.typeof(y))
             state["input_index"].append(index)
             state["weights_used"].append(w)
@@ -71,10 +73,10 @@ class SplitBackward:
                 state["inputs"].append(x)
             if state["inputs"][index] is not x:
                 raise AssertionError("a linear's input differs from the shapes pass: the layer is not deterministic")
-            return jnp.einsum(equation, x, w) + state["probes"][call]
+            return matmul(equation, x, w) + state["probes"][call]
         # W: the same weight use on the kept input; its output's inner product with dy enters the objective
         x_kept, dy = state["inputs"][self.layout["input_index"][call]], state["dy"][call]
-        y = jnp.einsum(equation, x_kept, w)
+        y = matmul(equation, x_kept, w)
         state["terms"].append(jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)))
         return y
 
@@ -128,7 +130,7 @@ class SplitBackward:
             finally:
                 self.mode = None
             return self._scan_out
-        return jax.grad(objective)(params)
+        return jax.grad(objective, allow_int=True)(params)  # (fp8: a stage's quantized bits, uint8, get float0)
 
     # ----------------------------------------------------------------- one layer
     def _begin_layer(self, **state) -> dict:

@@ -181,6 +181,10 @@ class StepBuilder:
             shapes["layers"][llama.FP8_LIVES] = llama.fp8_lives_shape(self.config.model)
         if self.vision is not None:
             shapes.update(vit.param_shapes(self.config.vision, self.config.model.d_model))
+            if self.config.fp8_delayed:
+                counters = vit.fp8_lives_shapes(self.config.vision)
+                shapes["vit"]["blocks"].update(counters["vit"]["blocks"])
+                shapes["projector"].update(counters["projector"])
         return shapes
 
     def _abstract_params(self, dtype):
@@ -212,7 +216,7 @@ class StepBuilder:
             vision = vit.init(self.config.vision, self.config.model.d_model, key)
             if vision_weights is not None:
                 vision["vit"] = vision_weights["vit"]
-            master.update(vision)
+            master.update(vit.with_fp8_lives(vision, self.config.vision) if self.config.fp8_delayed else vision)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=jax.tree.map(lambda w: w.astype(self.compute_dtype), master),
@@ -303,7 +307,8 @@ class StepBuilder:
         if self.vision is not None:
             image_tokens, vision_vjp = self.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
                                                            vla.instruction_ids(batch, self.config),
-                                                           gather=not self.sums_own_images)
+                                                           gather=not self.sums_own_images,
+                                                           calibrating=self.fp8_calibrating)
         if image_tokens is not None:  # (XLA:CPU) the LLM's collectives after the encoder's
             batch = after(batch, image_tokens)
             if self.context_ways > 1:  # each cp rank's image cotangent is its own tokens' share: summed below

@@ -10,10 +10,14 @@ Strategy (the seed's table 6.2 idea: a small encoder wants data parallelism, not
 - Backward: the first stage's input cotangent for the image positions comes back the same on every
   split rank; each device takes its slice and runs the encoder's vjp. Gradients are summed (ZeRO 0)
   or reduce-scattered (ZeRO 1-2) over all the encoder's data-parallel axes.
+- fp8.recipe=delayed: the blocks' and the projector's counters (jaxpar.models.vit.fp8_lives_shapes) are
+  replicated, typed varying over the encoder's tp axes on entry and summed over them once after the data
+  reductions, as the LLM's (jaxpar.parallel.fp8_counters): each tp rank's linears see their own shards only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -21,9 +25,11 @@ import jax.numpy as jnp
 
 from jaxpar.config import Config
 from jaxpar.layers.collectives import Collectives
+from jaxpar.layers.order import after
 from jaxpar.models import vit
 from jaxpar.parallel import remat
-from jaxpar.parallel.zero import StateSpecs, reduce_gradients
+from jaxpar.parallel.optim import is_fp8_counters
+from jaxpar.parallel.zero import StateSpecs, mesh_axes_of, reduce_gradients
 from jaxpar.sharding import vision_rules
 
 
@@ -33,13 +39,15 @@ class VisionComponent:
         sizes = mesh.shape
         self.config, self.cfg = config, vcfg
         self.rules = vision_rules(vcfg.tp, mesh)
-        self.axes = vit.param_axes(vcfg)
+        self.axes = vit.param_axes(vcfg, config.fp8_delayed)
         self.specs = StateSpecs(self.axes, vcfg.zero.stage, mesh, self.rules)
         self.split_axes = tuple(a for a in self.rules.zero_mesh if a != "dp" and sizes[a] > 1)  # within a dp shard
         self.split_sizes = tuple(sizes[a] for a in self.split_axes)
         self.data_axes = tuple(a for a in ("dp",) if sizes[a] > 1) + self.split_axes
         tensor_axis = self.rules.table["vit_heads"]  # "tp", the inner "tpv", or None
         self.coll = Collectives(tp_axis=tensor_axis if vcfg.tp > 1 else None, fp8=config.precision == "fp8")
+        # fp8.recipe=delayed: the tp axes the counters are typed varying over, then summed over (docstring)
+        self.lives_axes = mesh_axes_of(self.coll.tp_axis) if config.fp8_delayed else ()
         self.policy = remat.layer_policy(vcfg.remat.policy, regathers_weights=False)
 
     def describe(self, mesh) -> dict:
@@ -53,11 +61,12 @@ class VisionComponent:
             index = index * size + jax.lax.axis_index(axis)
         return index
 
-    def forward(self, params, images, instruction, gather: bool = True):
+    def forward(self, params, images, instruction, gather: bool = True, calibrating: bool = False):
         """(image tokens [B_dp, I, D] for this dp shard, the same on every pp / tp rank; their vjp).
         `instruction` [B_dp, T] (the bytes) is only read with vision.film. `gather=False`: this rank's
         own slice [B_dp / split ways, I, D] (rows split_index() * that onwards), for a first input that
-        sums each rank's images into the sequence itself (`owned_rows`)."""
+        sums each rank's images into the sequence itself (`owned_rows`). `calibrating`: fp8.recipe=delayed's
+        calibration pass (Collectives.fp8_calibrating)."""
         ways = math.prod(self.split_sizes)
         chunk = images.shape[0] // ways
         start = self._split_index() * chunk
@@ -65,9 +74,12 @@ class VisionComponent:
         my_instruction = jax.lax.dynamic_slice_in_dim(instruction, start, chunk, axis=0)
         if self.data_axes:  # each device's gradient is its own share; summed in reduce_grads
             params = jax.lax.pcast(params, self.data_axes, to="varying")
+        if self.lives_axes:
+            params = _map_counters(lambda c: jax.lax.pcast(c, self.lives_axes, to="varying"), params)
+        coll = dataclasses.replace(self.coll, fp8_calibrating=calibrating)
 
         def encode(p):
-            tokens = vit.encode(p, mine, self.cfg, self.coll, self.policy, my_instruction)
+            tokens = vit.encode(p, mine, self.cfg, coll, self.policy, my_instruction)
             if not self.split_axes or not gather:
                 return tokens
             # every split rank's slice, in _split_index's order, typed the same on each rank ("invarying"):
@@ -93,6 +105,16 @@ class VisionComponent:
     def reduce_grads(self, grads, dtype):
         """Sum (ZeRO 0) or reduce-scatter into the optimizer's shard (ZeRO 1-2) the encoder's gradients
         over its data axes."""
-        if not self.data_axes:
-            return grads
-        return reduce_gradients(grads, self.axes, self.data_axes, self.cfg.zero.stage >= 1, self.rules, dtype)
+        if self.data_axes:
+            grads = reduce_gradients(grads, self.axes, self.data_axes, self.cfg.zero.stage >= 1, self.rules, dtype)
+        if self.lives_axes:  # one all-reduce of every counter (XLA:CPU: after the data reductions)
+            paths, leaves = zip(*[(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(grads)
+                                  if is_fp8_counters(path)])
+            summed = dict(zip(paths, jax.lax.psum(after(list(leaves), grads), self.lives_axes)))
+            grads = jax.tree_util.tree_map_with_path(lambda path, g: summed.get(path, g), grads)
+        return grads
+
+
+def _map_counters(fn, tree):
+    """`tree` with fn applied to its delayed-scaling counters (optim.is_fp8_counters) and the rest as it is."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if is_fp8_counters(path) else x, tree)
