@@ -14,7 +14,7 @@ from conftest import builder_for, make_config, replace
 from jaxpar.compiler import hlo_collectives
 from jaxpar.config import PipelineConfig, RematConfig, validate
 from jaxpar.errors import ConfigError
-from jaxpar.layers import collective_matmul, order
+from jaxpar.layers import collective_matmul, fp8, order
 from jaxpar.layers.collectives import Collectives
 from test_equivalence import LOSS_RTOL, assert_grads_close, reference, run
 from test_pipeline import assert_matches_single_device, pipeline_config
@@ -65,6 +65,51 @@ def test_the_rings_equal_the_collectives_forward_and_backward(n, keep_gathered):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _fp8_block(n: int, rings: bool, lives: bool, calibrating: bool = False):
+    """A column linear, tanh, a row linear, through Collectives under precision=fp8 and sequence parallelism over n
+    devices: the FP8 rings (`rings`) or the plain path (all-gather, FP8 GEMMs, reduce-scatter); `lives`: with
+    delayed scaling's counters (rows: the column linear's, the row linear's), whose cotangent is summed over tp."""
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+    coll = Collectives(tp_axis="tp", sequence_axis="tp", fp8=True, collective_matmul="on" if rings else "off",
+                       fp8_calibrating=calibrating)
+
+    def f(x, w_col, w_row, counters):
+        counters = jax.lax.pcast(counters, ("tp",), to="varying")  # as fp8_counters.varying_over_tp
+        col, row = (fp8.Scaled(w, counters[k]) if lives else w for k, w in enumerate((w_col, w_row)))
+        (h,) = coll.column_linears(coll.enter_block(x), [("bsd,df->bsf", col)])
+        return coll.row_linear("bsf,fd->bsd", jnp.tanh(h), row), counters
+    specs = (P(None, "tp"), P(None, "tp"), P("tp", None), P())
+    body = jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=(P(None, "tp"), P("tp")))
+    return lambda x, w_col, w_row, counters: body(x, w_col, w_row, counters)[0]
+
+
+@pytest.mark.parametrize("lives,calibrating", [(False, False), (True, False), (True, True)],
+                         ids=["current", "delayed", "calibrating"])
+def test_the_fp8_rings_compute_the_plain_fp8_paths_values(lives, calibrating):
+    """precision=fp8: the rings' GEMMs are FP8 ones whose operands the plain path's scales quantize (the column
+    input by the whole gathered input's amax, the row output gradient by the whole gathered gradient's; or both
+    from the counters), so outputs and gradients equal the plain path's to float32 summation order, and the
+    counters' cotangent (each rank's shards' bins, summed over tp) has the plain path's highest bin in every row, the
+    only bin the counters' rule keeps (optim.fp8_counter_rule). A ring scaling its chunks
+    by their own amaxes, or by a shard's, moves FP8 values and fails (tolerance 1e-5 against FP8's 2^-4)."""
+    n = 4
+    keys = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(keys[0], (2, 4 * n, 8)) * jnp.linspace(0.1, 4.0, 4 * n)[None, :, None]  # shards' amaxes differ
+    w_col, w_row = jax.random.normal(keys[1], (8, 2 * n)), jax.random.normal(keys[2], (2 * n, 8))
+    cotangent = jax.random.normal(keys[3], (2, 4 * n, 8)) * jnp.linspace(4.0, 0.1, 4 * n)[None, :, None]
+    counters = jnp.zeros((2, len(fp8.OPERANDS), fp8.BINS)).at[:, :, 60:70].set(2.0)  # scales 2^(70 - 1 + min)
+    ring, plain = (_fp8_block(n, rings, lives, calibrating) for rings in (True, False))
+    np.testing.assert_allclose(jax.jit(ring)(x, w_col, w_row, counters), jax.jit(plain)(x, w_col, w_row, counters),
+                               rtol=1e-5, atol=1e-5)
+    loss = lambda fn: lambda *args: jnp.sum(fn(*args) * cotangent)  # noqa: E731
+    got, want = (jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2, 3)))(x, w_col, w_row, counters) for fn in (ring, plain))
+    for a, b in zip(got[:3], want[:3]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    top = lambda c: np.max(np.where(np.asarray(c) > 0, np.arange(fp8.BINS), -1), axis=-1)  # noqa: E731
+    np.testing.assert_array_equal(top(got[3]), top(want[3]))
+    assert np.all(top(want[3]) >= 0) == lives  # (the plain path saw every operand)
+
+
 # ----------------------------------------------------------------------------- equal to one device
 @pytest.mark.parametrize("dp,tp,stage", [(2, 4, 1), (4, 2, 3), pytest.param(1, 4, 0, marks=pytest.mark.slow)])
 def test_collective_matmul_matches_single_device(dp, tp, stage):
@@ -89,10 +134,14 @@ def test_collective_matmul_pipeline_matches_single_device():
 
 # ----------------------------------------------------------------------------- the program and the option
 def _tp_ops(config) -> dict:
-    """{op: count} of the tp collectives in the program jaxpar writes (before XLA combines them)."""
+    """{op: count} of the tp collectives in the program jaxpar writes (before XLA combines them), every dtype's."""
     builder = builder_for(config)
     text = builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch()).as_text(dialect="hlo")
-    return {e["op"]: e["count"] for e in hlo_collectives.collectives(text, builder.mesh) if e["axis"] == "tp"}
+    counts = {}
+    for e in hlo_collectives.collectives(text, builder.mesh):
+        if e["axis"] == "tp":
+            counts[e["op"]] = counts.get(e["op"], 0) + e["count"]
+    return counts
 
 
 def test_the_layers_gather_and_scatter_by_rings_only_with_the_option():
@@ -108,6 +157,20 @@ def test_the_layers_gather_and_scatter_by_rings_only_with_the_option():
     assert rings["collective-permute"] == 2 * layers * 2 * 2 * (tp - 1)  # blocks x (gather, scatter) x (fwd, bwd)
     assert rings["all-gather"] == rings["reduce-scatter"] == 2
     assert plain["all-gather"] == plain["reduce-scatter"] == 2 * (2 * layers + 1)
+
+
+def test_fp8_runs_the_rings_with_one_amax_all_reduce_per_gathered_operand():
+    """precision=fp8 keeps the rings (their GEMMs FP8): the same permutes as bf16's, plus one scalar all-reduce
+    (max) over tp per gathered operand under current scaling: each column ring's input in the forward, each row
+    ring's output gradient in the backward (2 blocks x 2 layers x 2); delayed scaling's counters need none."""
+    config = make_config(tp=4, seq_len=64, global_batch_size=8, precision="bf16")
+    layers = config.model.n_layers
+    bf16 = _tp_ops(with_cm(config))
+    current = _tp_ops(with_cm(replace(config, precision="fp8")))
+    delayed = _tp_ops(with_cm(replace(config, precision="fp8", fp8=dataclasses.replace(config.fp8, recipe="delayed"))))
+    assert current["collective-permute"] == delayed["collective-permute"] == bf16["collective-permute"]
+    assert current["all-reduce"] - bf16["all-reduce"] == 2 * layers * 2
+    assert delayed["all-reduce"] - bf16["all-reduce"] == 1  # the counters' one sum over tp (fp8_counters)
 
 
 def test_the_option_is_validated_in_one_line():

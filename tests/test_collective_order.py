@@ -201,6 +201,9 @@ LAYOUTS = {  # in `make test`
                                    zero=dict(stage=1), actions=dict(instruction_len=34)),
     # fp8.zero3_gather: each layer's all-reduce max of its linears' shard amaxes, before the layer's u8 gathers
     "fp8 ZeRO-3 gathers": lambda: make_config(dp=2, tp=4, stage=3, precision="fp8"),
+    # FP8 rings: the amaxes' all-reduce over tp before each column ring's sends and each row ring's backward
+    "fp8, collective matmul": lambda: replace(make_config(dp=2, tp=4, stage=1, precision="fp8"), mesh=MeshConfig(
+        dp=2, tp=4, sequence_parallel=True, collective_matmul="on")),
     # fp8.recipe=delayed: the counters' gradient summed over tp once, after the other reductions
     "fp8 delayed, sequence parallel": lambda: _delayed(replace(make_config(dp=2, tp=4, stage=1),
                                                                mesh=MeshConfig(dp=2, tp=4, sequence_parallel=True))),

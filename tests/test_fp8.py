@@ -142,12 +142,17 @@ def test_data_parallel_fp8_equals_one_device_to_bf16_rounding():
     pytest.param(dict(dp=2, tp=4, stage=3, grad_accum=4), marks=pytest.mark.slow),
     pytest.param(dict(dp=2, pp=2, tp=2, stage=1, microbatches=4), marks=pytest.mark.slow),
     pytest.param(dict(pp=2, tp=2, stage=1, microbatches=4, schedule="zb"), marks=pytest.mark.slow),
+    pytest.param(dict(dp=2, tp=4, stage=1, collective_matmul="on"), marks=pytest.mark.slow),  # the FP8 rings
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_fp8_layouts_track_one_device_within_fp8_rounding(layout):
     ref_grads, ref_losses, _ = single_device("fp8")
     layout = dict(layout)
     microbatches, schedule = layout.pop("microbatches", None), layout.pop("schedule", "1f1b")
+    rings = layout.pop("collective_matmul", None)
     config = make_config(precision="fp8", **layout)
+    if rings:
+        config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence_parallel=True,
+                                                                      collective_matmul=rings))
     if microbatches:
         config = with_pipeline(config, microbatches=microbatches, schedule=schedule)
     grads, losses, state = run(config)

@@ -113,6 +113,7 @@ def one_device():
     dict(dp=8, stage=1),
     pytest.param(dict(dp=2, tp=4, stage=3), marks=pytest.mark.slow),  # make test's budget (dp 8 ZeRO-1 runs there)
     pytest.param(dict(tp=4, sequence_parallel=True), marks=pytest.mark.slow),
+    pytest.param(dict(tp=4, sequence_parallel=True, collective_matmul="on"), marks=pytest.mark.slow),  # FP8 rings
     pytest.param(dict(dp=2, stage=2, grad_accum=2), marks=pytest.mark.slow),
     pytest.param(dict(dp=2, pp=2, tp=2, stage=1, microbatches=4), marks=pytest.mark.slow),
     pytest.param(dict(pp=2, tp=2, stage=1, microbatches=4, schedule="zb"), marks=pytest.mark.slow),  # counters in W
@@ -123,10 +124,11 @@ def test_every_layout_keeps_one_devices_counters_and_tracks_its_loss(layout, one
     and after three steps; with lr 1e-3 the losses track one device's within fp8's layout tolerance."""
     layout = dict(layout)
     microbatches, sp = layout.pop("microbatches", None), layout.pop("sequence_parallel", False)
-    schedule = layout.pop("schedule", "1f1b")
+    schedule, rings = layout.pop("schedule", "1f1b"), layout.pop("collective_matmul", "auto")
     config = make_config(**layout)
     if sp:
-        config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence_parallel=True))
+        config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sequence_parallel=True,
+                                                                      collective_matmul=rings))
     if microbatches:
         config = dataclasses.replace(config, pipeline=PipelineConfig(microbatches=microbatches, schedule=schedule))
     calibrated, _, counters, _ = run_delayed(delayed(config, lr=0.0))

@@ -64,7 +64,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.layers import order
+from jaxpar.layers import fp8, order
+from jaxpar.layers.fp8 import transposed_equations
+from jaxpar.layers.vma import typed_like
 
 
 # mesh.collective_matmul=auto runs the rings where a chunk holds at least this many tokens (batch x S / tp on
@@ -94,13 +96,6 @@ def _together(*values):
     (each one synchronous), and cuBLAS took the running sum's add into the GEMM as its C operand, so each
     GEMM waited for the send. Every output must be used: XLA drops a barrier's unused operands."""
     return jax.lax.optimization_barrier(values)
-
-
-def transposed_equations(equation: str) -> tuple[str, str]:
-    """("a,b->c") -> the equations of the input gradient ("c,b->a") and the weight gradient ("a,c->b")."""
-    inputs, out = equation.split("->")
-    a, b = inputs.split(",")
-    return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
 def _assemble(pieces: list[jax.Array], starts: list[jax.Array]) -> jax.Array:
@@ -214,21 +209,167 @@ def _row_bwd(equation, axes, residuals, d_out):
 _row.defvjp(_row_fwd, _row_bwd)
 
 
+# ----------------------------------------------------------------------------- the rings under precision=fp8
+# The same rings with each GEMM an FP8 one (jaxpar.layers.fp8, docs/design.md "FP8 GEMMs"), each operand scaled as
+# the plain path scales it, so the rings give its FP8 values: the column ring's input by the whole gathered
+# input's scale (the max of the shards' amaxes, one scalar all-reduce before the ring under current scaling;
+# delayed scaling's counters need none), its output gradients by their own (each rank's are whole); the row ring's
+# input by its own and its output gradient by the whole gathered gradient's. The chunks travel in bf16 and are
+# cast on arrival. `weights` are (array, (bits, scale) or None, counters or None) triples (Collectives.matmul's
+# fp8.Quantized and fp8.Scaled taken apart); with counters, their cotangent is the one-hot rows of what this rank's
+# shards saw, which the counters' sum over tp makes the whole tensor's (jaxpar.parallel.fp8_counters).
+def _ring_max(amax: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.pmax(amax, axes[0] if len(axes) == 1 else axes)
+
+
+def _operand_scales(lives_rows: list, local_max, axes, dtype, calibrating: bool, whole: bool) -> list:
+    """The scale of an operand whose amax on this rank is `local_max`, for each of its uses' counters rows
+    (None: current scaling; calibrating: the operand's own amax): over the ring's ranks (one all-reduce) when the
+    operand is the whole gathered tensor."""
+    own = [lives is None or calibrating for lives in lives_rows]
+    amax = _ring_max(local_max, axes) if whole and any(own) else local_max
+    return [fp8.scale_for(amax, dtype) if lives is None else fp8.delayed_scale(lives, amax, dtype, calibrating)
+            for lives in lives_rows]
+
+
+def _lives_cotangent(lives, x_max, d_max):
+    if lives is None:
+        return None
+    return typed_like(jnp.stack([fp8.seen(x_max, fp8.FORWARD, lives.dtype),
+                                 fp8.seen(d_max, fp8.BACKWARD, lives.dtype)]), lives)
+
+
+def _weight_bits(w, quantized):
+    return fp8.quantize(w, fp8.FORWARD) if quantized is None else (
+        jax.lax.bitcast_convert_type(quantized[0], fp8.FORWARD), quantized[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _column_fp8(equations, axes, keep_gathered, calibrating, x, weights):
+    return _column_fp8_fwd(equations, axes, keep_gathered, calibrating, x, weights)[0]
+
+
+def _column_fp8_fwd(equations, axes, keep_gathered, calibrating, x, weights):
+    x_max = fp8.amax(x)
+    scales = _operand_scales([None if lives is None else lives[0] for _, _, lives in weights], x_max, axes,
+                             fp8.FORWARD, calibrating, True)
+    x = order.after(x, scales)  # XLA:CPU: the ring's sends after the amaxes' all-reduce
+    quantized = [_weight_bits(w, q) for w, q, _ in weights]
+
+    def product(equation, chunk, sx, qw, sw):
+        # each linear its own FP8 chunk (a barrier with its weight's scale): XLA's dot merger otherwise joins the
+        # GEMMs of one operand (q, k, v) into one bf16 GEMM on the weights concatenated, which is no FP8 GEMM
+        # (llama7b tp 8: 16 of each layer's 24 forward chunk GEMMs). (With the weight's bits in the barrier, each
+        # chunk's GEMM transposed them again: 0.5335 s against 0.5261.)
+        q_chunk, sw = _together(fp8.cast(chunk, sx, fp8.FORWARD), sw)
+        return fp8.scaled_dot(equation, q_chunk, qw, sx * sw, chunk.dtype)
+
+    def products(chunk):
+        return [product(e, chunk, sx, qw, sw) for e, sx, (qw, sw) in zip(equations, scales, quantized)]
+
+    starts, chunks, made = _gather_ring(x, axes, products)
+    outs = tuple(_assemble([m[i] for m in made], starts) for i in range(len(equations)))
+    return outs, (_assemble(chunks, starts) if keep_gathered else x, x_max, scales, weights)
+
+
+def _column_fp8_bwd(equations, axes, keep_gathered, calibrating, residuals, d_outs):
+    x_kept, x_max, scales, weights = residuals
+    grads = [transposed_equations(e) for e in equations]
+    quantized = [_weight_bits(w, q) for w, q, _ in weights]
+    d_maxes = [fp8.amax(d) for d in d_outs]
+    d_scales = [_operand_scales([None if lives is None else lives[1]], d_max, axes, fp8.BACKWARD, calibrating, False)[0]
+                for (_, _, lives), d_max in zip(weights, d_maxes)]
+    q_outs = [fp8.cast(d, sd, fp8.BACKWARD) for d, sd in zip(d_outs, d_scales)]
+
+    def partial(chunks):
+        parts = [fp8.scaled_dot(dx_eq, d, qw, sd * sw, x_kept.dtype)
+                 for (dx_eq, _), d, (qw, sw), sd in zip(grads, chunks, quantized, d_scales)]
+        return functools.reduce(jnp.add, parts)
+
+    d_x = _scatter_ring(q_outs, partial, axes)
+    if not keep_gathered:  # gathered again, as the plain path does: one all-gather, after the ring
+        x_kept, d_x = _together(order.after(x_kept, d_x), d_x)
+        x_kept = jax.lax.all_gather(x_kept, axes[0] if len(axes) == 1 else axes, axis=1, tiled=True)
+        d_x = order.after(d_x, x_kept)
+    d_weights = [fp8.scaled_dot(dw_eq, fp8.cast(x_kept, sx, fp8.FORWARD), qd, sx * sd, w.dtype)
+                 for (_, dw_eq), qd, sx, sd, (w, _, _) in zip(grads, q_outs, scales, d_scales, weights)]
+    cotangents = tuple((d_w, None, _lives_cotangent(lives, x_max, d_max))
+                       for d_w, (_, _, lives), d_max in zip(d_weights, weights, d_maxes))
+    return d_x, cotangents
+
+
+_column_fp8.defvjp(_column_fp8_fwd, _column_fp8_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _row_fp8(equation, axes, calibrating, x, weight):
+    return _row_fp8_fwd(equation, axes, calibrating, x, weight)[0]
+
+
+def _row_fp8_fwd(equation, axes, calibrating, x, weight):
+    w, q, lives = weight
+    x_max = fp8.amax(x)
+    (sx,) = _operand_scales([None if lives is None else lives[0]], x_max, axes, fp8.FORWARD, calibrating, False)
+    qw, sw = _weight_bits(w, q)
+    qx = fp8.cast(x, sx, fp8.FORWARD)
+    out = _scatter_ring([qx], lambda chunks: fp8.scaled_dot(equation, chunks[0], qw, sx * sw, x.dtype), axes)
+    return out, (jax.lax.bitcast_convert_type(qx, jnp.uint8), x_max, sx, weight)
+
+
+def _row_fp8_bwd(equation, axes, calibrating, residuals, d_out):
+    qx_bits, x_max, sx, (w, q, lives) = residuals
+    qx, (qw, sw) = jax.lax.bitcast_convert_type(qx_bits, fp8.FORWARD), _weight_bits(w, q)
+    dx_eq, dw_eq = transposed_equations(equation)
+    d_max = fp8.amax(d_out)
+    (sd,) = _operand_scales([None if lives is None else lives[1]], d_max, axes, fp8.BACKWARD, calibrating, True)
+    d_out = order.after(d_out, sd)  # XLA:CPU: the ring's sends after the amaxes' all-reduce
+    starts, chunks, made = _gather_ring(
+        d_out, axes, lambda c: [fp8.scaled_dot(dx_eq, fp8.cast(c, sd, fp8.BACKWARD), qw, sd * sw, d_out.dtype)])
+    d_x = _assemble([m[0] for m in made], starts)
+    d_whole = fp8.cast(_assemble(chunks, starts), sd, fp8.BACKWARD)
+    d_w = fp8.scaled_dot(dw_eq, qx, d_whole, sx * sd, w.dtype)
+    return d_x, (d_w, None, _lives_cotangent(lives, x_max, d_max))
+
+
+_row_fp8.defvjp(_row_fp8_fwd, _row_fp8_bwd)
+
+
+def _fp8_parts(w, x: jax.Array) -> tuple:
+    """(array, (bits, scale) or None, counters or None) of a weight (an array, fp8.Quantized or fp8.Scaled), each
+    typed varying where x is (as the plain FP8 linear types them: Collectives.matmul)."""
+    lives = None
+    if isinstance(w, fp8.Scaled):
+        w, lives = w.weight, w.lives
+    quantized = (w.bits, w.scale) if isinstance(w, fp8.Quantized) else None
+    array = typed_like(w.weight if isinstance(w, fp8.Quantized) else w, x)
+    return array, quantized, None if lives is None else typed_like(lives, x)
+
+
 def all_gather_linears(x_BxSxD: jax.Array, linears: Sequence[tuple[str, jax.Array]],
-                       axes: tuple[str, ...], keep_gathered: bool = True) -> list[jax.Array]:
+                       axes: tuple[str, ...], keep_gathered: bool = True, fp8_calibrating: bool | None = None
+                       ) -> list[jax.Array]:
     """[einsum(eq, all_gather(x, S), w) for eq, w in linears], each GEMM on the chunk present while the
     next one arrives (module docstring). Every equation keeps the sequence on dim 1 of x and output; the
     weights must be typed varying over every manual axis x varies over (Collectives.column_linears casts
     them as einsum would implicitly, so the custom_vjp's weight gradients have the weights' types).
     `keep_gathered`: the backward's residual is the gathered input the ring assembled (as an all-gather's
     output kept for the weight gradients), or, False, only x itself, all-gathered again in the backward (as
-    under a policy that never keeps an all-gather's output: module docstring, Memory)."""
+    under a policy that never keeps an all-gather's output: module docstring, Memory). `fp8_calibrating`:
+    None runs bf16 GEMMs; a bool runs FP8 ones (precision=fp8: "the rings under precision=fp8" above; the
+    weights may be fp8.Quantized / fp8.Scaled, typed here), True as delayed scaling's calibration pass."""
     equations = tuple(e for e, _ in linears)
-    return list(_column(equations, tuple(axes), bool(keep_gathered), x_BxSxD, *(w for _, w in linears)))
+    if fp8_calibrating is not None:
+        weights = tuple(_fp8_parts(w, x_BxSxD) for _, w in linears)
+        return list(_column_fp8(equations, tuple(axes), bool(keep_gathered), fp8_calibrating, x_BxSxD, weights))
+    return list(_column(equations, tuple(axes), bool(keep_gathered), x_BxSxD,
+                        *(typed_like(w, x_BxSxD) for _, w in linears)))
 
 
-def linear_reduce_scatter(equation: str, x_BxSxF: jax.Array, w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def linear_reduce_scatter(equation: str, x_BxSxF: jax.Array, w: jax.Array, axes: tuple[str, ...],
+                          fp8_calibrating: bool | None = None) -> jax.Array:
     """psum_scatter(einsum(equation, x, w), S): this rank's chunk of the output summed over the ring, the
     partial product of each chunk computed while the running sum of the previous one travels. `w` typed as
-    in all_gather_linears."""
-    return _row(equation, tuple(axes), x_BxSxF, w)
+    in all_gather_linears; `fp8_calibrating` as there."""
+    if fp8_calibrating is not None:
+        return _row_fp8(equation, tuple(axes), fp8_calibrating, x_BxSxF, _fp8_parts(w, x_BxSxF))
+    return _row(equation, tuple(axes), x_BxSxF, typed_like(w, x_BxSxF))

@@ -152,10 +152,13 @@ class Collectives:
         collective_matmul's docstring, "When auto runs the rings")."""
         if not self.sequence_axis or self.weight_grads is not None or self.sequence_axes != _as_tuple(self.tp_axis):
             return False
-        if self.fp8:  # the rings' GEMMs are bf16 einsums of their own: FP8 goes through `linear` (issue 47)
-            return False
         return self.collective_matmul == "on" or (self.collective_matmul == "auto" and not ordering_on()
                                                   and not self.taps_weights)
+
+    @property
+    def _ring_fp8(self) -> bool | None:
+        """The rings' GEMMs: None bf16; under fp8 an FP8 one each, True in delayed scaling's calibration pass."""
+        return self.fp8_calibrating if self.fp8 else None
 
     def _ring_pays(self, chunk_tokens: int) -> bool:
         """Under `matmul_rings`, whether a block's chunks are long enough for its rings: always with "on";
@@ -188,11 +191,11 @@ class Collectives:
         weights = [w for _, w in linears]
         if self.matmul_rings:
             shares_kv = kv and (self.kv_heads_replicated or any(
-                a not in varying_of(jax.typeof(w)) for a in _as_tuple(self.tp_axis) for w in weights[-2:]))
+                a not in varying_of(jax.typeof(_array_of(w))) for a in _as_tuple(self.tp_axis) for w in weights[-2:]))
             if not shares_kv and self._ring_pays(x_BxSxD.shape[0] * x_BxSxD.shape[1]):
-                linears = [(equation, typed_like(w, x_BxSxD)) for equation, w in linears]
                 return collective_matmul.all_gather_linears(x_BxSxD, linears, self.sequence_axes,
-                                                            keep_gathered=self.keeps_gathered_inputs)
+                                                            keep_gathered=self.keeps_gathered_inputs,
+                                                            fp8_calibrating=self._ring_fp8)
             x_BxSxD = self.enter_tensor_parallel(x_BxSxD)
         if kv:
             x_BxSxD, *weights[-2:] = self.kv_weights(x_BxSxD, *weights[-2:])
@@ -203,7 +206,7 @@ class Collectives:
         sequence parallelism); with `matmul_rings` the sum is a ring under the chunks' GEMMs (where they
         are long enough: `_ring_pays`)."""
         if self.matmul_rings and self._ring_pays(x.shape[0] * x.shape[1] // jax.lax.axis_size(self.sequence_axes)):
-            return collective_matmul.linear_reduce_scatter(equation, x, typed_like(w, x), self.sequence_axes)
+            return collective_matmul.linear_reduce_scatter(equation, x, w, self.sequence_axes, self._ring_fp8)
         return self.row_parallel_sum(self.linear(equation, x, w))
 
     def tp_sum(self, x: jax.Array) -> jax.Array:

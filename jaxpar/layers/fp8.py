@@ -38,12 +38,18 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config.schema import FP8_BINS
-from jaxpar.layers.collective_matmul import transposed_equations
 from jaxpar.layers.order import after
 from jaxpar.layers.vma import typed_like
 
 FORWARD = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, max 448
 BACKWARD = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344 (their range varies more)
+
+
+def transposed_equations(equation: str) -> tuple[str, str]:
+    """("a,b->c") -> the equations of the input gradient ("c,b->a") and the weight gradient ("a,c->b")."""
+    inputs, out = equation.split("->")
+    a, b = inputs.split(",")
+    return f"{out},{b}->{a}", f"{a},{out}->{b}"
 
 
 def exponent_of(amax: jax.Array, dtype) -> jax.Array:
@@ -221,7 +227,7 @@ def amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32)))
 
 
-def _scaled_dot(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+def scaled_dot(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """einsum(equation, a, b) of FP8 operands in the form XLA's GPU compiler turns into one FP8 GEMM."""
     product = jnp.einsum(equation, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     return (product * scale).astype(dtype)
@@ -261,7 +267,7 @@ def _forward(equation, x, w, quantized_w, lives, calibrating):
     # With `quantized_w` the weight's bits are kept, not w (an empty array of w's dtype says the gradient's).
     kept_w = w if quantized_w is None else jnp.zeros((0,), w.dtype)
     residuals = (jax.lax.bitcast_convert_type(qx, jnp.uint8), sx, kept_w, quantized_w, kept_lives)
-    return _scaled_dot(equation, qx, qw, sx * sw, x.dtype), residuals
+    return scaled_dot(equation, qx, qw, sx * sw, x.dtype), residuals
 
 
 def _backward(equation, calibrating, residuals, d_out):
@@ -279,7 +285,7 @@ def _backward(equation, calibrating, residuals, d_out):
         d_lives = typed_like(jnp.stack([seen(x_max, FORWARD, d_row.dtype), seen(d_max, BACKWARD, d_row.dtype)]),
                             d_row)
     qd = cast(d_out, sd, BACKWARD)
-    return (_scaled_dot(dx_eq, qd, qw, sd * sw, d_out.dtype), _scaled_dot(dw_eq, qx, qd, sx * sd, w.dtype),
+    return (scaled_dot(dx_eq, qd, qw, sd * sw, d_out.dtype), scaled_dot(dw_eq, qx, qd, sx * sd, w.dtype),
             None, d_lives)
 
 
