@@ -331,9 +331,10 @@ def test_the_vlas_counters_are_one_devices_in_a_layout():
     the rest of tp), lr 0, after calibration and three steps.
     - The encoder's and the projector's input counters are one device's bit for bit, each example with its own
       image; their output gradients' scales within one bin.
-    - The LLM's input counters are one device's bit for bit when every example shows the same image (the
-      encoder's weights keep current scaling per tp shard, which rounds differing images' tokens apart from one
-      device's); its output gradients' scales within one bin.
+    - The LLM's input counters are one device's bit for bit when every example shows the same image; its output
+      gradients' scales within one bin. With each example's own image a few LLM input rows move by one bin
+      (measured; not isolated further: the encoder's tp-split sums round its tokens apart from one device's, and
+      with more distinct tokens more amaxes sit near a bin's edge).
     Why not exact: the layout's bf16 sums round the gradients apart, and an amax near a power of two moves to
     the neighbouring bin (measured: 4 of the LLM's 56 output-gradient rows, each by one bin)."""
     import test_vla

@@ -27,7 +27,11 @@ the other ring: the column linears' input gradient is reduce-scattered by the ri
 feeding each chunk's dX GEMM; the weight gradients are one GEMM each on the whole gathered input / output
 gradient (fp32 accumulation, as one GEMM over the sequence does). Bytes moved equal the collectives'
 ((n - 1) / n of the buffer per ring); on XLA:CPU every permute is ordered by data (each takes the previous
-one's result, or the running sum built from it), so the emulated mesh keeps one collective order.
+one's result, or the running sum built from it), so the emulated mesh keeps one collective order. Not under
+remat with `on` forced on XLA:CPU (`auto` leaves the rings off there): a ring re-run by the backward's
+recompute is not ordered against the backward's own rings (dp 1 x tp 4 + SP: 27 unordered permute pairs
+under full remat, 87 under selective; fp8's scalar all-reduce joins them; found 2026-12-06, not fixed, and
+tests/test_collective_order.py has no such layout).
 
 Memory: the forward never holds the row linear's whole [B, S, D] partial product (one chunk and the running
 sum), and each ring keeps for its backward what the plain path would (row: its input; column: the gathered
@@ -350,8 +354,8 @@ def all_gather_linears(x_BxSxD: jax.Array, linears: Sequence[tuple[str, jax.Arra
                        ) -> list[jax.Array]:
     """[einsum(eq, all_gather(x, S), w) for eq, w in linears], each GEMM on the chunk present while the
     next one arrives (module docstring). Every equation keeps the sequence on dim 1 of x and output; the
-    weights must be typed varying over every manual axis x varies over (Collectives.column_linears casts
-    them as einsum would implicitly, so the custom_vjp's weight gradients have the weights' types).
+    weights are typed here varying over every manual axis x varies over, as einsum would cast them
+    implicitly, so the custom_vjp's weight gradients have the weights' types.
     `keep_gathered`: the backward's residual is the gathered input the ring assembled (as an all-gather's
     output kept for the weight gradients), or, False, only x itself, all-gathered again in the backward (as
     under a policy that never keeps an all-gather's output: module docstring, Memory). `fp8_calibrating`:

@@ -21,8 +21,9 @@ scan, `Collectives.scan_layers`); both hand over to the `SplitBackward` the pipe
 collectives. Its mode is Python state set while a function is traced: None (plain einsum, every
 other use of the same model code), "shapes" (one layer traced to learn the probes' and inputs'
 types), "B" or "W". Every pass computes the product with the collectives' own `matmul`, so under
-precision=fp8 B's dx and W's dw are the FP8 linear's GEMMs (docs/design.md "FP8 GEMMs"). The cost: the stash keeps the linears' inputs, and the output gradients
-of every linear wait in their own buffer from B to W (docs/design.md, "Zero bubble").
+precision=fp8 B's dx and W's dw are the FP8 linear's GEMMs (docs/design.md "FP8 GEMMs"). The cost:
+the stash keeps the linears' inputs, and the output gradients of every linear wait in their own
+buffer from B to W (docs/design.md, "Zero bubble").
 """
 
 from __future__ import annotations
