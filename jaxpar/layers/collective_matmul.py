@@ -341,12 +341,8 @@ _row_fp8.defvjp(_row_fp8_fwd, _row_fp8_bwd)
 def _fp8_parts(w, x: jax.Array) -> tuple:
     """(array, (bits, scale) or None, counters or None) of a weight (an array, fp8.Quantized or fp8.Scaled), each
     typed varying where x is (as the plain FP8 linear types them: Collectives.matmul)."""
-    lives = None
-    if isinstance(w, fp8.Scaled):
-        w, lives = w.weight, w.lives
-    quantized = (w.bits, w.scale) if isinstance(w, fp8.Quantized) else None
-    array = typed_like(w.weight if isinstance(w, fp8.Quantized) else w, x)
-    return array, quantized, None if lives is None else typed_like(lives, x)
+    array, quantized, lives = fp8.unpacked(w)
+    return typed_like(array, x), quantized, None if lives is None else typed_like(lives, x)
 
 
 def all_gather_linears(x_BxSxD: jax.Array, linears: Sequence[tuple[str, jax.Array]],

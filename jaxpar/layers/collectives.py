@@ -25,9 +25,7 @@ from jaxpar.sharding import FP8_BINS, is_axes_leaf, leaf_names
 
 def _array_of(w):
     """A weight's array: itself, or an fp8.Quantized's or fp8.Scaled's weight (its shape and type)."""
-    if isinstance(w, fp8.Scaled):
-        return _array_of(w.weight)
-    return w.weight if isinstance(w, fp8.Quantized) else w
+    return fp8.unpacked(w)[0]
 
 
 def _each_array(fn: Callable, w):
@@ -127,19 +125,16 @@ class Collectives:
     def matmul(self, equation: str, x: jax.Array, w: Any) -> jax.Array:
         """`linear`'s product itself: under fp8 an FP8 GEMM (jaxpar.layers.fp8.einsum) of `w`, a weight, an
         fp8.Quantized (its bits quantized ahead) or an fp8.Scaled (with its delayed-scaling counters)."""
-        lives = None
-        if isinstance(w, fp8.Scaled):  # fp8.recipe=delayed: the counters of this linear's scales
-            w, lives = w.weight, w.lives
+        # quantized ahead (ZeRO-3 FP8 gather, pipeline stage): the bits feed the GEMM; fp8.recipe=delayed: the
+        # counters of this linear's scales
+        weight, quantized, lives = fp8.unpacked(w)
         if self.fp8:  # a custom_vjp returns its inputs' types: each operand is typed as varying where the
             # other does (a tp-invariant input of a column linear, the ViT's: its gradient's tp sum is the cast's).
             # The counters arrive varying over tp (jaxpar.parallel.fp8_counters): their cast adds no collective there.
-            weight = _array_of(w)
             x, weight = typed_like(x, weight), typed_like(weight, x)
             lives = None if lives is None else typed_like(typed_like(lives, x), weight)
-            # quantized ahead (ZeRO-3 FP8 gather, pipeline stage): the bits feed the GEMM
-            quantized = (w.bits, w.scale) if isinstance(w, fp8.Quantized) else None
             return fp8.einsum(equation, x, weight, quantized, lives, self.fp8_calibrating)
-        return jnp.einsum(equation, x, _array_of(w))
+        return jnp.einsum(equation, x, weight)
 
     @property
     def matmul_rings(self) -> bool:

@@ -168,6 +168,17 @@ class Scaled:
     lives: jax.Array
 
 
+def unpacked(w) -> tuple:
+    """(array, (bits, scale) or None, counters or None) of a linear's weight: an array, a `Quantized` (its FP8 bits
+    made ahead) or a `Scaled` (with delayed scaling's counters) of either."""
+    lives = None
+    if isinstance(w, Scaled):
+        w, lives = w.weight, w.lives
+    if isinstance(w, Quantized):
+        return w.weight, (w.bits, w.scale), lives
+    return w, None, lives
+
+
 def with_lives(layer: dict, names: tuple, key: str, same_input: dict | None = None) -> dict:
     """`layer` (one layer's weights) with each weight in `names` paired with its row of the counters
     `layer[key]` ([len(names), len(OPERANDS), BINS]) as a `Scaled`; the layer itself without `key` (none: as

@@ -1,7 +1,8 @@
 """fp8.recipe=delayed's counters in the parallel train step (the recipe itself: jaxpar.layers.fp8, "delayed
 scaling"; docs/design.md "Delayed scaling").
 
-The counters (`params["layers"][llama.FP8_LIVES]`) are replicated over tp like a norm, but each tp rank's
+The counters (`params["layers"][llama.FP8_LIVES]`, and a VLA's encoder's and projector's: jaxpar.parallel.vision)
+are replicated over tp like a norm, but each tp rank's
 linears see only their own shards' amaxes. Left to JAX, each linear would type them varying at its use and
 sum their cotangent over tp there: 7 more all-reduces in every layer's backward, each one more collective to
 order on XLA:CPU. Instead they enter the model typed varying over tp once (`varying_over_tp`), their
@@ -24,7 +25,6 @@ from jax.sharding import NamedSharding
 
 from jaxpar.layers import fp8
 from jaxpar.layers.order import after
-from jaxpar.models import llama
 from jaxpar.parallel.optim import is_fp8_counters
 from jaxpar.parallel.zero import gather_axes, mesh_axes_of
 from jaxpar.sharding import tensor_axes
@@ -35,23 +35,25 @@ def tp_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh_axes_of(tensor_axes(mesh)) if mesh.shape[a] > 1)
 
 
-def _with_counters(tree: dict, value) -> dict:
-    return {**tree, "layers": {**tree["layers"], llama.FP8_LIVES: value}}
-
-
 def varying_over_tp(params: dict, axes: tuple[str, ...]) -> dict:
-    """The LLM's weights with the counters typed varying over `axes` (none: as they are)."""
+    """`params` (the LLM's weights, or the vision encoder's) with their counters typed varying over `axes` (none:
+    as they are)."""
     if not axes:
         return params
-    return _with_counters(params, jax.lax.pcast(params["layers"][llama.FP8_LIVES], axes, to="varying"))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, w: jax.lax.pcast(w, axes, to="varying") if is_fp8_counters(path) else w, params)
 
 
 def summed_over_tp(grads: dict, axes: tuple[str, ...]) -> dict:
-    """The counters' cotangent (each use's one-hot amax bins) summed over `axes` after every other gradient
-    reduction (XLA:CPU: one order). A bin any shard saw is nonzero in the sum: the max over the shards."""
-    if not axes:
+    """The counters' cotangent (each use's one-hot amax bins) summed over `axes` in one all-reduce, after every
+    other gradient reduction in `grads` (XLA:CPU: one order). A bin any shard saw is nonzero in the sum: the max
+    over the shards."""
+    counters = [(path, g) for path, g in jax.tree_util.tree_leaves_with_path(grads) if is_fp8_counters(path)]
+    if not axes or not counters:
         return grads
-    return _with_counters(grads, jax.lax.psum(after(grads["layers"][llama.FP8_LIVES], grads), axes))
+    paths, leaves = zip(*counters)
+    summed = dict(zip(paths, jax.lax.psum(after(list(leaves), grads), axes)))
+    return jax.tree_util.tree_map_with_path(lambda path, g: summed.get(path, g), grads)
 
 
 def calibrate(builder, state, batch: dict):

@@ -25,10 +25,8 @@ import jax.numpy as jnp
 
 from jaxpar.config import Config
 from jaxpar.layers.collectives import Collectives
-from jaxpar.layers.order import after
 from jaxpar.models import vit
-from jaxpar.parallel import remat
-from jaxpar.parallel.optim import is_fp8_counters
+from jaxpar.parallel import fp8_counters, remat
 from jaxpar.parallel.zero import StateSpecs, mesh_axes_of, reduce_gradients
 from jaxpar.sharding import vision_rules
 
@@ -74,8 +72,7 @@ class VisionComponent:
         my_instruction = jax.lax.dynamic_slice_in_dim(instruction, start, chunk, axis=0)
         if self.data_axes:  # each device's gradient is its own share; summed in reduce_grads
             params = jax.lax.pcast(params, self.data_axes, to="varying")
-        if self.lives_axes:
-            params = _map_counters(lambda c: jax.lax.pcast(c, self.lives_axes, to="varying"), params)
+        params = fp8_counters.varying_over_tp(params, self.lives_axes)
         coll = dataclasses.replace(self.coll, fp8_calibrating=calibrating)
 
         def encode(p):
@@ -107,14 +104,4 @@ class VisionComponent:
         over its data axes."""
         if self.data_axes:
             grads = reduce_gradients(grads, self.axes, self.data_axes, self.cfg.zero.stage >= 1, self.rules, dtype)
-        if self.lives_axes:  # one all-reduce of every counter (XLA:CPU: after the data reductions)
-            paths, leaves = zip(*[(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(grads)
-                                  if is_fp8_counters(path)])
-            summed = dict(zip(paths, jax.lax.psum(after(list(leaves), grads), self.lives_axes)))
-            grads = jax.tree_util.tree_map_with_path(lambda path, g: summed.get(path, g), grads)
-        return grads
-
-
-def _map_counters(fn, tree):
-    """`tree` with fn applied to its delayed-scaling counters (optim.is_fp8_counters) and the rest as it is."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if is_fp8_counters(path) else x, tree)
+        return fp8_counters.summed_over_tp(grads, self.lives_axes)  # (after the data reductions)
