@@ -253,3 +253,12 @@ def test_cudnn_on_cpu_is_refused_by_the_cli_in_one_line(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr  # one line, and nothing was compiled
     assert lines[0].startswith("jaxpar: error: model.attention=cudnn cannot run the LLM's attention here: ")
     assert "devices are CPU" in lines[0] and "use model.attention=auto or xla" in lines[0]
+
+
+def test_under_context_parallelism_the_vlas_prefix_takes_cudnn_and_the_line_says_blocks():
+    """Under cp every kernel call is a causal or unmasked block, the prefix included (jaxpar.layers.ring):
+    no bias reaches cuDNN, so `auto` gives the LLM cuDNN and says what its calls are."""
+    config = replace(VLA, precision="bf16", mesh=dict(cp=2))
+    resolved, line = choose_attention(config, H100)
+    assert (resolved.model.attention, resolved.vision.attention) == ("cudnn", "cudnn")
+    assert "causal mask or none (never a bias)" in line and "\n" not in line

@@ -210,3 +210,23 @@ def test_a_layer_scan_reads_and_writes_one_layer_of_a_stacked_buffer():
     read_updated = {"name": "r", "op": "fusion", "args": ["w", "u", "i", "i"], "shape": "f32[1,1024,1024]{2,1,0}",
                     "attrs": ", kind=kLoop, calls=%fused_read_updated"}
     assert walker.kernel_cost(read_updated, instrs) == (0.0, layer + layer + 4 + 4 + layer)
+
+
+def test_an_mfu_above_the_matmul_ceiling_is_flagged_and_explained():
+    """One matmul priced at the efficiency: model FLOPs equal to its FLOPs give an MFU at (below, with its launch)
+    the ceiling; twice its FLOPs (a model count of the whole s x s attention that a causal kernel halves) go
+    above it, which the estimate flags and the dry run explains instead of quoting."""
+    from jaxpar.compiler import dry_run
+
+    text = program(MATMUL + "  ROOT %t = (f32[1024,1024]{1,0}) tuple(%f)")
+    at = read_schedule(text, mesh(), H100, 2.0 * N ** 3)["estimate"]
+    assert at["mfu"] <= MATMUL_EFFICIENCY and not at["above_ceiling"]
+    above = read_schedule(text, mesh(), H100, 4.0 * N ** 3)["estimate"]
+    assert above["mfu"] > MATMUL_EFFICIENCY and above["above_ceiling"]
+    lines = dry_run._above_ceiling_text({"estimate": above, "executed_flops_per_device": 2.0 * N ** 3,
+                                         "model_flops_per_device": 4.0 * N ** 3})
+    assert len(lines) == 1 and "above the estimate's matmul ceiling of 55%" in lines[0] and "x0.50" in lines[0]
+    assert dry_run._above_ceiling_text({"estimate": at}) == []
+    unknown = dict(above, trip_count_unknown=True)
+    assert "trip count was not found" in dry_run._above_ceiling_text(
+        {"estimate": unknown, "executed_flops_per_device": 2.0 * N ** 3, "model_flops_per_device": 4.0 * N ** 3})[0]

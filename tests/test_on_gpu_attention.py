@@ -24,7 +24,7 @@ import pytest
 
 from jaxpar.layers import ring
 from jaxpar.layers.attention import prefix_lm_mask
-from jaxpar.layers.blockwise import balanced_order, merge_blocks, positions_mask
+from jaxpar.layers.blockwise import balanced_order, merge_blocks
 from jaxpar.layers.cudnn import cudnn_attention
 
 B, S, N = 2, 256, 8  # batch, sequence, query heads
@@ -105,44 +105,61 @@ def test_cudnn_attention_matches_xla(masking, head_dim, kv_heads, record_propert
 # ----------------------------------------------------------------------------- the ring's blocks, merged
 
 def ring_blocks(kernel: str, q, k, v, g, prefix_len: int) -> tuple:
-    """(output, dq, dk, dv) of the whole sequence computed as context parallelism's ring computes it, on one
-    device: the sequence in balanced order over WAYS ranks; each rank's queries against each rank's K / V block
-    through ring._kernels(kernel), merged by log-sum-exp (the output cast to the input dtype, as the ring does);
-    then each block's backward handed the merged output and log-sum-exp, dK / dV summed per block."""
-    block_forward, block_backward = ring._kernels(kernel)
+    """(output, dq, dk, dv) of the whole sequence computed as context parallelism computes it, on one device:
+    the sequence in balanced order over WAYS ranks; each rank's queries against each rank's K / V block by the
+    block's kind (jaxpar.layers.ring._Blocks on `kernel`: causal, half or late rows, never a mask), merged by
+    log-sum-exp (the output cast to the input dtype, as the ring does); then each block's backward handed the
+    merged output and log-sum-exp, dK / dV summed per block. With `prefix_len`, the prefix's rows are one
+    unmasked attention against the prefix's keys (jaxpar.layers.attention.context_attention), the causal
+    blocks' cotangent zero there."""
+    blocks = ring._Blocks(kernel, S // WAYS)
     order = balanced_order(S, WAYS)
     local = S // WAYS
     positions = [order[r * local:(r + 1) * local] for r in range(WAYS)]
     take = lambda x, r: x[:, positions[r]]  # noqa: E731
+    unmasked = (lambda q, k, v: cudnn_attention(q, k, v)) if kernel == "cudnn" else \
+        (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"))  # noqa: E731
     outs, dqs = [], []
     dks = [jnp.zeros(take(k, 0).shape, jnp.float32) for _ in range(WAYS)]
     dvs = [jnp.zeros(take(v, 0).shape, jnp.float32) for _ in range(WAYS)]
+    d_prefix_k = d_prefix_v = 0.0
     for r in range(WAYS):
-        sources = [(r - step) % WAYS for step in range(WAYS)]  # the blocks in the order the ring brings them
-        masks = [positions_mask(jnp.asarray(positions[r]), jnp.asarray(positions[s]), prefix_len) for s in sources]
+        sources = [((r - step) % WAYS, ring.relation((r - step) % WAYS, r)) for step in range(WAYS)]
         out = lse = None
-        for source, mask in zip(sources, masks):
-            o, lse_block = block_forward(take(q, r), take(k, source), take(v, source), mask)
+        for source, kind in sources:
+            o, lse_block = blocks.forward(kind, take(q, r), take(k, source), take(v, source))
             out, lse = (o, lse_block) if out is None else merge_blocks(out, lse, o, lse_block)
         out = out.astype(q.dtype)
+        in_prefix = (positions[r] < prefix_len)[None, :, None, None]
+        g_causal = jnp.where(in_prefix, 0, take(g, r))
         dq = jnp.zeros(take(q, r).shape, jnp.float32)
-        for source, mask in zip(sources, masks):
-            dq_b, dk_b, dv_b = block_backward(take(q, r), take(k, source), take(v, source), mask, out, lse, take(g, r))
-            dq = dq + dq_b.astype(jnp.float32)
-            dks[source] = dks[source] + dk_b.astype(jnp.float32)
-            dvs[source] = dvs[source] + dv_b.astype(jnp.float32)
+        for source, kind in sources:
+            dq_b, dk_b, dv_b = blocks.backward(kind, take(q, r), take(k, source), take(v, source), out, lse, g_causal)
+            dq = dq + dq_b
+            dks[source] = dks[source] + dk_b
+            dvs[source] = dvs[source] + dv_b
+        if prefix_len:
+            prefix_out, pullback = jax.vjp(unmasked, take(q, r), k[:, :prefix_len], v[:, :prefix_len])
+            out = jnp.where(in_prefix, prefix_out, out)
+            dq_p, dk_p, dv_p = pullback(jnp.where(in_prefix, take(g, r), 0).astype(prefix_out.dtype))
+            dq = dq + dq_p.astype(jnp.float32)
+            d_prefix_k, d_prefix_v = d_prefix_k + dk_p.astype(jnp.float32), d_prefix_v + dv_p.astype(jnp.float32)
         outs.append(out)
         dqs.append(dq)
     inverse = np.argsort(order)  # from balanced order back to 0..S-1
     whole = lambda parts: jnp.concatenate(parts, axis=1)[:, inverse]  # noqa: E731
-    return whole(outs), whole(dqs), whole(dks), whole(dvs)
+    dk, dv = whole(dks), whole(dvs)
+    if prefix_len:
+        dk, dv = dk.at[:, :prefix_len].add(d_prefix_k), dv.at[:, :prefix_len].add(d_prefix_v)
+    return whole(outs), whole(dqs), dk, dv
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("masking", ["causal", "prefix"])
 def test_ring_blocks_on_cudnn_merge_to_whole_attention(masking, record_property):
     """cuDNN blocks and their statistics, merged, against the whole attention: the statistics' convention
-    (natural-log log-sum-exp of the scaled scores), a block's bias mask and the merged backward."""
+    (natural-log log-sum-exp of the scaled scores), the blocks' causal and unmasked kernels (no bias), the
+    prefix's rows and the merged backward."""
     q, k, v, g = draw(128, 2, seed=2)
     prefix_len = PREFIX if masking == "prefix" else 0
     got = jax.jit(lambda *a: ring_blocks("cudnn", *a, prefix_len))(q, k, v, g)

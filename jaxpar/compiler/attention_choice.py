@@ -21,6 +21,8 @@ So cuDNN can express the prefix-LM mask, at the price of computing every block (
 skipping) and reading an S x S bias, on a path not yet run on a GPU here; at VLA sequence lengths
 (a few hundred tokens) attention is ~1% of the step, so `auto` keeps XLA for it and `cudnn` asked
 for explicitly uses it. The ViT (bidirectional, no mask) and the causal LLM get cuDNN under `auto`.
+Under context parallelism every kernel call is a causal or an unmasked block, the VLA's prefix included
+(jaxpar.layers.ring, jaxpar.layers.attention.context_attention), so `auto` gives the LLM cuDNN there too.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class Site:
     dtype: str  # "bf16" or "fp32" (the compute dtype)
     head_dim: int
     seq_len: int
-    mask: str  # "causal", "prefix" (the VLA's prefix-LM mask) or "none"
+    mask: str  # "causal", "prefix" (the VLA's prefix-LM mask: a dense bias), "none" or "cp" (causal / unmasked blocks)
 
 
 def accelerator(devices) -> Accelerator:
@@ -80,6 +82,8 @@ def sites(config: Config) -> list[Site]:
         seq, mask = vla.sequence_layout(config)[2], "prefix" if model.prefix_lm else "causal"
     else:
         seq, mask = config.train.seq_len, "causal"
+    if config.mesh.cp > 1:  # jaxpar.layers.ring: causal or unmasked blocks, a prefix-LM's prefix unmasked beside
+        mask = "cp"
     out = [Site("LLM", "model.attention", dtype, model.head_dim, seq, mask)]
     if model.kind == "vla":
         v = config.vision
@@ -130,8 +134,10 @@ def _choose(site: Site, asked: str, acc: Accelerator) -> tuple[str, str]:
         return "xla", ("auto: the prefix-LM mask would reach cuDNN as a dense bias (no block skipping, not yet run "
                        "on a GPU here); model.attention=cudnn uses it")
     cc = acc.compute_capability
+    masks = {"none": "no mask", "causal": "causal mask",
+             "cp": "context parallelism's blocks under the causal mask or none (never a bias)"}
     return "cudnn", (f"auto: {acc.device_kind} sm{cc[0]}{cc[1]}, cuDNN {acc.cudnn_version}, bf16, "
-                     f"head_dim {site.head_dim}, {'no' if site.mask == 'none' else site.mask} mask")
+                     f"head_dim {site.head_dim}, {masks[site.mask]}")
 
 
 def fp8_problem(acc: Accelerator) -> str | None:

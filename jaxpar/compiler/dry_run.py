@@ -304,10 +304,29 @@ def gpu_text(report: dict) -> list[str]:
             + (f" ({k['fp8_gemm_calls']} of them FP8)" if k.get("fp8_gemm_calls") else ""),
             f"estimated step (XLA's schedule, no device): {est['step_s']:.4g} s, MFU {est['mfu']:.1%}; compute "
             f"{est['compute_s']:.4g} s, exposed communication {est['exposed_comm_s']:.4g} s{planned_step}",
+            *_above_ceiling_text(report),
             "collectives overlapped with compute in the schedule (exposed: compute waits / the transfers' own time):",
             *(f"  {r['op']:<18} {r['axis']:<12} {b(r['bytes']):>12} per step, {b(r['bytes_overlapped']):>12} "
               f"overlapped, compute waits {r['exposed_s']:.4g} s of {r['own_s']:.4g} s "
               f"({_exposed_share(r)} exposed)" for r in report["overlap"])]
+
+
+def _above_ceiling_text(report: dict) -> list[str]:
+    """One line when the estimated MFU exceeds its own matmul efficiency, which no program that executes its
+    model FLOPs can reach: the model FLOPs then count work the program does not run (PaLM's attention term
+    is the whole s x s, a causal kernel computes half: long sequences), or the estimate misses some."""
+    est = report["estimate"]
+    if not est.get("above_ceiling"):
+        return []
+    ratio = report["executed_flops_per_device"] / report["model_flops_per_device"]
+    if est.get("trip_count_unknown"):
+        why = "a loop's trip count was not found and the estimate counts it once: not a figure"
+    elif ratio < 1:
+        why = (f"the model FLOPs (6N + the whole s x s attention) exceed what the program executes (x{ratio:.2f}: causal "
+               "attention skips its masked half); quote the step time")
+    else:
+        why = "the estimate misses work the program executes: a bug in jaxpar.compiler.gpu_program, not a figure"
+    return [f"  MFU {est['mfu']:.1%} is above the estimate's matmul ceiling of {est['matmul_efficiency']:.0%}: {why}"]
 
 
 def _exposed_share(row: dict) -> str:

@@ -379,7 +379,8 @@ def read_schedule(text: str, mesh, hw: Hardware, model_flops_per_device: float,
     counts as "overlapped" although most of the transfer may still be waited for). estimate: `step_s`, `mfu` (model FLOPs per device / (step_s x peak)),
     `compute_s` (kernel seconds; `compute_parts`: the matmul-bound kernels', the memory-bound ones', the
     launches' and the kernel count), `exposed_comm_s` (the rest), `comm_s` (transfer seconds, hidden or
-    not), `executed_flops` (matmul and attention FLOPs priced)."""
+    not), `executed_flops` (matmul and attention FLOPs priced), `above_ceiling` (the MFU above the matmul
+    efficiency: not a figure to quote; the dry run says why)."""
     walker = _Walker(text, mesh, hw, matmul_efficiency)
     st = _State()
     walker.walk(walker.entry, st)
@@ -397,4 +398,7 @@ def read_schedule(text: str, mesh, hw: Hardware, model_flops_per_device: float,
                                   "launch_s": st.kernels * KERNEL_LAUNCH_S, "kernels": int(round(st.kernels))},
                 "hardware": hw.name, "matmul_efficiency": matmul_efficiency,
                 "trip_count_unknown": walker.unknown_trips}
+    # every matmul at the efficiency caps MFU there, unless the model FLOPs count work the program does not
+    # execute (PaLM's 12 L d s attention term is the whole s x s; causal kernels compute half of it)
+    estimate["above_ceiling"] = bool(estimate["mfu"] > matmul_efficiency)
     return {"overlap": overlap, "estimate": estimate}

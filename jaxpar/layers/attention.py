@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.layers.blockwise import positions_mask
 from jaxpar.layers.collectives import Collectives
 from jaxpar.layers.cudnn import cudnn_attention
 
@@ -84,6 +83,23 @@ def core_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Ar
     return checkpoint_name(o_BxSxNxH, "attention_out")
 
 
+def context_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, positions_S: jax.Array,
+                      coll: Collectives, prefix_len: int, implementation: str) -> jax.Array:
+    """This cp rank's queries (at `positions_S`) against the whole sequence, with no mask buffer: causal
+    blocks over cp (Collectives.context_attention), and with a prefix-LM's `prefix_len` the prefix's
+    queries answered apart. A query inside the prefix sees exactly the prefix's keys (causal or not, every
+    key it sees lies there), so its row is one unmasked attention against them; a query after it sees
+    what causal attention gives. Both are computed for the rank's queries (it cannot know statically
+    which of them lie in the prefix) and each row takes its own: the prefix's attention costs 2 c x P
+    more, and no kernel ever gets a mask."""
+    causal_BxSxNxH, prefix = coll.context_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, prefix_len, implementation)
+    if prefix is None:
+        return causal_BxSxNxH
+    prefix_BxSxNxH = core_attention(q_BxSxNxH, *prefix, implementation)
+    in_prefix = (positions_S < prefix_len)[None, :, None, None]
+    return jnp.where(in_prefix, prefix_BxSxNxH, causal_BxSxNxH)
+
+
 def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives, prefix_len: int = 0,
               implementation: str = "xla", rope_scaling: tuple | None = None) -> jax.Array:
     """p: wq [D, N, H], wk / wv [D, K, H], wo [N, H, D] (N, K: this tp rank's heads). `x_BxSxD` is the
@@ -103,12 +119,8 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     positions_S = coll.context_positions(seq_len)  # None: 0..S-1
     q_BxSxNxH = rope(q_BxSxNxH, rope_theta, rope_scaling, positions_S)
     k_BxSxKxH = rope(k_BxSxKxH, rope_theta, rope_scaling, positions_S)
-    if positions_S is not None and coll.context_strategy == "ring":  # K / V blocks passed around cp
-        o_BxSxNxH = coll.ring_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, prefix_len, impl)  # (names its residuals)
-    elif positions_S is not None:  # context parallelism: this rank's queries against every key, gathered
-        k_BxTxKxH, v_BxTxKxH, k_positions_T = coll.gather_context(k_BxSxKxH, v_BxSxKxH)
-        mask = positions_mask(positions_S, k_positions_T, prefix_len)
-        o_BxSxNxH = core_attention(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, impl, mask=mask)
+    if positions_S is not None:  # context parallelism: causal blocks over cp, the prefix beside them
+        o_BxSxNxH = context_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, positions_S, coll, prefix_len, impl)
     elif prefix_len > 0:
         mask = prefix_lm_mask(seq_len, prefix_len)
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, mask=mask)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.layers import collective_matmul, fp8, ring
+from jaxpar.layers import blockwise, collective_matmul, fp8, ring
 from jaxpar.layers.blockwise import balanced_order  # noqa: F401  (re-exported)
 from jaxpar.layers.order import after  # noqa: F401  (re-exported: the model code orders with it)
 from jaxpar.layers.order import (backward_ordered, chain_both_ways, cotangent_after, cotangent_summed,
@@ -98,22 +98,37 @@ class Collectives:
         order = jnp.asarray(balanced_order(local_len * ways, ways))
         return jax.lax.dynamic_slice_in_dim(order, jax.lax.axis_index(self.context_axis) * local_len, local_len)
 
-    def ring_attention(self, q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
-                       prefix_len: int, kernel: str = "xla") -> jax.Array:
-        """This rank's attention output over the whole sequence without gathering it: K and V travel
-        the cp ring one block per step, each block's attention by `kernel` ("xla" or "cudnn") merged by
-        log-sum-exp, the backward a second ring (jaxpar.layers.ring)."""
-        return ring.ring_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, self.context_axis, prefix_len, kernel)
-
-    def gather_context(self, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array):
-        """(keys, values, their positions) of the whole sequence: all-gathered over the context axis
-        (in balanced_order; the backward reduce-scatters their gradients), V's after K's both ways (two
-        independent collectives could start in either order on XLA:CPU: jaxpar.layers.order; one
-        gather of K and V concatenated costs a GPU program copies of both)."""
-        ways = jax.lax.axis_size(self.context_axis)
-        gather = lambda a: jax.lax.all_gather(a, self.context_axis, axis=1, tiled=True)  # noqa: E731
+    def context_attention(self, q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array,
+                          prefix_len: int, kernel: str = "xla") -> tuple[jax.Array, tuple | None]:
+        """(this rank's causal attention output over the whole sequence, the prefix's keys and values or
+        None): `ring` passes K / V blocks around cp, `all_gather` gathers them over cp first (the backward
+        reduce-scatters their gradients); either way each block is causal, whole or skipped
+        (jaxpar.layers.ring), on `kernel` ("xla" or "cudnn"). With `prefix_len` the prefix-LM's
+        bidirectional prefix comes back as its keys and values in position order, for the caller's one
+        unmasked attention of them (jaxpar.layers.attention): sliced from the gathered K / V, or for the
+        ring gathered over cp on their own, before the ring's sends and, in the backward, after them
+        (XLA:CPU's order)."""
+        axis = self.context_axis
+        ways = jax.lax.axis_size(axis)
+        gather = lambda a: jax.lax.all_gather(a, axis, axis=1, tiled=True)  # noqa: E731
+        if self.context_strategy == "ring":
+            prefix = None
+            if prefix_len:  # (a VLA: short sequences, whose prefix is most of them)
+                gathered = chain_both_ways(gather, (k_BxSxKxH, v_BxSxKxH))  # V's after K's both ways (XLA:CPU)
+                prefix = tuple(self._leading(x, ways, prefix_len) for x in gathered)
+                q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = ordered_both_ways((q_BxSxNxH, k_BxSxKxH, v_BxSxKxH), prefix)
+            return ring.ring_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, axis, kernel), prefix
+        # two gathers, V's after K's both ways (independent collectives could start in either order on
+        # XLA:CPU: jaxpar.layers.order; one gather of K and V concatenated costs a GPU program copies of both)
         k_all, v_all = chain_both_ways(gather, (k_BxSxKxH, v_BxSxKxH))
-        return k_all, v_all, jnp.asarray(balanced_order(k_all.shape[1], ways))
+        prefix = tuple(self._leading(x, ways, prefix_len) for x in (k_all, v_all)) if prefix_len else None
+        return ring.gathered_attention(q_BxSxNxH, k_all, v_all, axis, kernel), prefix
+
+    @staticmethod
+    def _leading(x_BxTx: jax.Array, ways: int, stop: int) -> jax.Array:
+        """Positions 0..stop-1 of an array in balanced_order, in position order (static slices)."""
+        ranges = blockwise.leading_positions(x_BxTx.shape[1], ways, stop)
+        return jnp.concatenate([x_BxTx[:, a:b] for a, b in ranges], axis=1)
 
     def linear(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
         """A weight matmul, einsum(equation, x, w). The model calls it for every linear so that a zb

@@ -84,18 +84,19 @@ def cudnn_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.A
     return _fmha_named(*_cudnn_arguments(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, mask, is_causal))
 
 
-def cudnn_block_forward(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, mask) -> tuple[jax.Array, jax.Array]:
-    """One ring block on cuDNN (jaxpar.layers.ring): (output in fp32, the kernel's softmax statistics,
-    the log-sum-exp of the scaled scores [B, N, S] in fp32), as blockwise.block_attention gives them."""
-    *arguments, _ = _cudnn_arguments(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, mask)
+def cudnn_block_forward(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, causal: bool) -> tuple[jax.Array, jax.Array]:
+    """One context-parallel block on cuDNN (jaxpar.layers.ring): (output in fp32, the kernel's softmax
+    statistics, the log-sum-exp of the scaled scores [B, N, S] in fp32), as blockwise.block_attention
+    gives them. `causal` is cuDNN's causal mask type (a diagonal block), else no mask: never a bias."""
+    *arguments, _ = _cudnn_arguments(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=causal)
     out, stats = _fmha._dot_product_attention_fwd(*arguments, True)  # return_residual: the statistics too
     return out.astype(jnp.float32), stats
 
 
-def cudnn_block_backward(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, mask, out_BxSxNxH, lse_BxNxS, d_out_BxSxNxH):
-    """(dq, dk, dv) of one ring block on cuDNN's backward kernel, handed the merged output and
+def cudnn_block_backward(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, causal, out_BxSxNxH, lse_BxNxS, d_out_BxSxNxH):
+    """(dq, dk, dv) of one context-parallel block on cuDNN's backward kernel, handed the merged output and
     log-sum-exp in place of the block's own (blockwise.block_attention_grads says why that is exact)."""
-    arguments = _cudnn_arguments(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, mask)
+    arguments = _cudnn_arguments(q_BxSxNxH, k_BxTxKxH, v_BxTxKxH, is_causal=causal)
     dtype = q_BxSxNxH.dtype
     residuals = (*arguments[:10], lse_BxNxS, out_BxSxNxH.astype(dtype))
     grads = _fmha._dot_product_attention_bwd_rule(*arguments[10:], residuals, d_out_BxSxNxH.astype(dtype))

@@ -47,6 +47,7 @@ from jaxpar.parallel.optim import is_fp8_counters, lr_schedule, make_optimizer
 from jaxpar.parallel import fp8_counters, remat, schedule as pipeline_schedule, zero
 from jaxpar.parallel.pipeline import Pipeline, StagePieces, reorder_layers
 from jaxpar.parallel.split_backward import SplitBackward
+from jaxpar.parallel.residuals import zeros_typed
 from jaxpar.parallel.pipeline import layer_order as pipeline_layer_order
 from jaxpar.parallel.vision import VisionComponent
 from jaxpar.parallel.zero import StateSpecs, ZeroPlan, gather_axes, mesh_axes_of, reduce_gradients
@@ -365,14 +366,19 @@ class StepBuilder:
             loss, (grads, d_image) = jax.value_and_grad(objective, argnums=(0, 1))(params, image_tokens, batch)
             return loss, grads, d_image
         micro_batches = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
-        loss, grads = jax.value_and_grad(objective)(params, None, jax.tree.map(lambda x: x[0], micro_batches))
-        if accum > 1:  # accumulate in fp32; a single microbatch keeps compute-dtype grads (2 bytes in bf16)
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            def accumulate(carry, micro):
-                loss_i, grads_i = jax.value_and_grad(objective)(params, None, micro)
-                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss_i, grads_i)), None
-            rest = jax.tree.map(lambda x: x[1:], micro_batches)
-            (loss, grads), _ = jax.lax.scan(accumulate, (loss, grads), rest)
+        if accum == 1:  # a single microbatch keeps compute-dtype grads (2 bytes in bf16)
+            loss, grads = jax.value_and_grad(objective)(params, None, jax.tree.map(lambda x: x[0], micro_batches))
+            return loss, grads, None
+
+        def accumulate(carry, micro):  # in fp32
+            loss_i, grads_i = jax.value_and_grad(objective)(params, None, micro)
+            return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss_i, grads_i)), None
+        # every microbatch inside the scan, from zeros (0 + g = g): a first microbatch computed before it gave
+        # the GPU program a second copy of the layer scan's saved inputs (docs/design.md)
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        shapes = jax.eval_shape(lambda: jax.value_and_grad(objective)(params, None, first))
+        carry = jax.tree.map(lambda a: zeros_typed(a.update(dtype=jnp.float32)), shapes)
+        (loss, grads), _ = jax.lax.scan(accumulate, carry, micro_batches)
         return loss, grads, None
 
     @property

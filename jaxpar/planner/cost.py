@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from jaxpar.config import Config, patches_per_image
 from jaxpar.models.flops import model_flops_per_step
-from jaxpar.planner import offload, traffic
+from jaxpar.planner import kernels, offload, traffic
 from jaxpar.planner.traffic import slot_counts
 from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.parallel.pipeline import activation_collectives
@@ -48,10 +48,12 @@ RECOMPUTED = {"none": (), "dots": (), "selective": ("scores",), "offload": ("sco
 
 def layer_forward(blk: Block, b: int, s: int) -> dict[str, float]:
     """Matmul FLOPs of one layer's forward on one tp rank, b sequences of s tokens, by part. The
-    attention scores and values are full s x s matmuls (XLA's attention masks, it does not skip)."""
+    attention scores and values are s x s matmuls at the share of the pairs the kernel computes
+    (Block.attention_share: XLA masks and computes all, cuDNN's causal kernel and context parallelism's
+    blocks skip the masked half)."""
     t = b * s
     ups = 2 if blk.gated else 1
-    keys = s * blk.context  # context parallelism: this rank's s queries against the whole sequence
+    keys = s * blk.context * blk.attention_share  # cp: this rank's s queries against the whole sequence
     parts = {"qkv": 2.0 * t * blk.d * (blk.q + 2 * blk.kv), "scores": 2.0 * b * s * keys * blk.q,
              "values": 2.0 * b * s * keys * blk.q, "out": 2.0 * t * blk.q * blk.d,
              "mlp_in": 2.0 * t * blk.d * blk.f * ups, "mlp_out": 2.0 * t * blk.f * blk.d}
@@ -59,10 +61,16 @@ def layer_forward(blk: Block, b: int, s: int) -> dict[str, float]:
     return parts
 
 
-def recompute(fwd: dict[str, float], policy: str, output_needed: bool = False) -> float:
+def recompute(fwd: dict[str, float], policy: str, output_needed: bool = False, blockwise: bool = False) -> float:
     """What `policy` computes again in one layer's backward. Full remat skips the last projection,
-    unless the layer's output itself feeds a gradient (the ViT's FiLM scale multiplies it)."""
+    unless the layer's output itself feeds a gradient (the ViT's FiLM scale multiplies it). `blockwise`:
+    context parallelism's attention (jaxpar.layers.ring), whose backward recomputes its blocks' scores
+    whatever the policy (the one recompute selective and offload count already). Under full remat that
+    is beside the rerun forward's, as a GPU runs them (cuDNN's backward kernel recomputes inside);
+    XLA:CPU merges some of the two identical score matmuls (its FLOPs 3.5% under the plan at cp 2)."""
     extra = sum(fwd[k] for k in RECOMPUTED[policy])
+    if blockwise and ("scores" not in RECOMPUTED[policy] or policy == "full"):
+        extra += fwd["scores"]
     return extra + (fwd["mlp_out"] if policy == "full" and output_needed else 0.0)
 
 
@@ -81,8 +89,9 @@ def llm_flops(config: Config) -> dict[str, float]:
     pipelined, policy = mesh.pp > 1, config.remat.policy
     passes = config.pipeline.microbatches if pipelined else config.train.grad_accum
     v = config.pipeline.virtual_stages if pipelined else 1
-    fwd, layers = layer_forward(llm_block(config), b, s), m.n_layers // mesh.pp
-    again = layers * recompute(fwd, policy)
+    blk = llm_block(config)
+    fwd, layers = layer_forward(blk, b, s), m.n_layers // mesh.pp
+    again = layers * recompute(fwd, policy, blockwise=blk.context > 1)
     if pipelined and config.pipeline.stage_recompute:
         dead = fwd["total" if policy == "full" else "mlp_out"] if layers == v else 0.0
         again += layers * fwd["total"] - v * dead
@@ -196,19 +205,21 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
 
 
 def _cp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int, forwards: int) -> tuple[float, str]:
-    """Context parallelism's K / V traffic per step: every layer forward (and recomputed forward)
-    moves the whole sequence's K and V to each rank (all_gather: one all-gather each; ring: cp - 1
-    sends of a block, the same bytes), and the backward returns their gradients (reduce-scatters, or
-    the ring's sends). Counted as exposed, though a GPU's schedule overlaps them (BENCHMARKS.md)."""
+    """Context parallelism's K / V traffic per step. Each layer forward (and recomputed forward) brings the
+    other cp - 1 ranks' K and V: one all-gather each (all_gather), or cp - 1 sends of a block (ring). The
+    backward returns their gradients: all_gather's reduce-scatters of dK, dV (the same bytes); the ring's
+    cp - 1 sends of K / V again plus cp sends of the travelling dK / dV in fp32 (jaxpar.layers.ring). Counted
+    as exposed, though a GPU's schedule overlaps most of them (BENCHMARKS.md)."""
     mesh, m = config.mesh, config.model
     if mesh.cp <= 1:
         return 0.0, "none"
     passes = config.pipeline.microbatches if mesh.pp > 1 else config.train.grad_accum
     kv = max(m.n_kv_heads // mesh.tp, 1) * m.head_dim
-    whole = c * microbatch(config) * seq_len(config) * 2 * kv  # K and V of the whole sequence, this tp rank's heads
+    block = c * microbatch(config) * local_seq(config) * 2 * kv  # K and V of one rank's tokens, its tp heads
     bw, link = link_bandwidth(mesh.tp, mesh.cp, gpus_per_node, hw)
-    per_op = (mesh.cp - 1) / mesh.cp * whole / bw
-    return (forwards + 1) * (m.n_layers // mesh.pp) * passes * per_op, link
+    gathered = (mesh.cp - 1) * block
+    backward = gathered + (mesh.cp * block * 4 / c if mesh.cp_strategy == "ring" else 0)
+    return (forwards * gathered + backward) * (m.n_layers // mesh.pp) * passes / bw, link
 
 
 def _vision_dp_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> float:
@@ -337,7 +348,7 @@ def matmul_rates(config: Config, hw: Hardware, shares: dict[str, float]) -> dict
 
 def step_time(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     """Seconds per step, by part, and the MFU this implies."""
-    flops = compute_flops(config)
+    flops = compute_flops(kernels.resolve(config, "gpu", hw.compute_capability))
     rates = matmul_rates(config, hw, flops["linear_shares"])
     parts = flops["executed_parts"]
     busy_layers_s = flops["layers_busy_flops_per_device"] / rates["layers"]

@@ -124,14 +124,46 @@ class Block:
     cudnn: bool = False  # cuDNN flash attention: no [b, h, s, s] tensor in memory (planner/kernels.py)
     gpu: bool = False  # XLA's GPU compiler (fuses the softmax: fewer [b, h, s, s] buffers than XLA:CPU)
     context: int = 1  # context parallelism: s is this rank's 1/cp of the sequence, its keys all cp s
+    gathers_context: bool = False  # cp_strategy=all_gather: the whole sequence's K / V gathered on each rank
+    # the share of the s x (context s) query-key pairs the attention kernels compute (attention_share): all of
+    # them on XLA; cuDNN's causal kernel skips half; under context parallelism jaxpar.layers.ring's blocks
+    # (cuDNN 1/2, XLA's block math (cp + 1) / 2 cp: its causal diagonal block whole) plus a VLA prefix's P / S
+    attention_share: float = 1.0
     regathers: bool = False  # ZeRO-3 over > 1 device: no all-gathered tensor is kept (parallel.zero.never_keep_gathered)
+
+    def saved_scores(self, b: int, s: int) -> int:
+        """Score elements a layer keeps for its backward: XLA's [b, h, s, s]; none with cuDNN (its fp32 [b, h, s]
+        statistics) or under context parallelism (jaxpar.layers.ring's custom_vjps keep q, k, v, the output and
+        the statistics; a block's scores live only while it is computed)."""
+        return 0 if self.cudnn or self.context > 1 else b * self.heads * s * s
+
+    def block_scores(self, b: int, s: int) -> int:
+        """Score elements of the largest attention call's scores while it runs: XLA's [b, h, s, s] (under cp
+        the own block, 2 c x 2 c = the rank's s x s; the others are half); none with cuDNN (in the kernel)."""
+        return 0 if self.cudnn else b * self.heads * s * s
+
+
+def attention_share(config: Config) -> float:
+    """Block.attention_share of the LLM: the share of its query-key pairs the kernels compute. cuDNN's causal
+    mask type skips the masked half (jaxpar.compiler.hlo_flops.fmha_flops counts the compiled calls so); XLA
+    computes every pair, as cuDNN does under a prefix-LM's dense bias. Under cp, jaxpar.layers.ring's blocks."""
+    cp, model = config.mesh.cp, config.model
+    prefix = model.kind == "vla" and model.prefix_lm
+    cudnn = model.attention == "cudnn"
+    if cp <= 1:
+        return 0.5 if cudnn and not prefix else 1.0
+    share = 0.5 if cudnn else (cp + 1) / (2 * cp)
+    if prefix:  # the prefix's rows: one unmasked call against its keys
+        share += vla.prefix_len(config) / seq_len(config)
+    return share
 
 
 def llm_block(config: Config, target: str = "cpu") -> Block:
     m, tp = config.model, config.mesh.tp
     return Block(m.d_model, m.n_heads // tp * m.head_dim, max(m.n_kv_heads // tp, 1) * m.head_dim, m.d_ff // tp,
                  m.n_heads // tp, True, tp if config.mesh.sequence_parallel else 1, m.attention == "cudnn",
-                 target == "gpu", config.mesh.cp, config.zero.stage >= 3 and data_ways(config) > 1)
+                 target == "gpu", config.mesh.cp, config.mesh.cp > 1 and config.mesh.cp_strategy == "all_gather",
+                 attention_share(config), config.zero.stage >= 3 and data_ways(config) > 1)
 
 
 def vit_block(config: Config, target: str = "cpu") -> Block:
@@ -147,10 +179,10 @@ def saved_per_layer(policy: str, blk: Block, b: int, s: int, c: int) -> tuple[fl
     ups = 2 if blk.gated else 1
     layer_input = c * t * blk.d / blk.seq_split  # sequence parallel: residual-stream tensors are S / tp long
     linear = c * t * (2 * blk.q + 2 * blk.kv + 2 * blk.d / blk.seq_split + ups * blk.f)  # q k v attn_out, attn_proj mlp_out, up(s)
-    scores = 0 if blk.cudnn else b * blk.heads * s * s * blk.context  # cuDNN keeps only fp32 [b, h, s] softmax statistics
-    # context parallelism: the other ranks' K and V, kept by the policies that keep everything (the
-    # others save the named local projections and gather again in the backward)
-    gathered = c * t * 2 * blk.kv * (blk.context - 1)
+    scores = blk.saved_scores(b, s)  # cuDNN keeps only fp32 [b, h, s] softmax statistics
+    # context parallelism's all_gather: the other ranks' K and V, kept by the policies that keep everything
+    # (the others save the named local projections and gather again in the backward; the ring keeps none)
+    gathered = c * t * 2 * blk.kv * (blk.context - 1) if blk.gathers_context else 0
     if policy == "full":
         return layer_input, 0.0
     if policy == "offload":  # what the GPU-compiled program copies to the host: the named outputs the
@@ -191,7 +223,8 @@ def _kept_without_remat_on_gpu(blk: Block, b: int, s: int, c: int) -> float:
     norm_outputs = 2 * c * t * blk.d / (blk.seq_split if blk.regathers else 1)
     projections = c * t * (2 * blk.q + 2 * blk.kv)
     swiglu = 3 * c * t * blk.f
-    attention = 4 * b * blk.heads * s if blk.cudnn else (4 + 4 + c) * b * blk.heads * s * s * blk.context
+    kept = blk.saved_scores(b, s)
+    attention = (4 + 4 + c) * kept if kept else 4 * b * blk.heads * s
     return norm_inputs + norm_outputs + projections + swiglu + attention
 
 
@@ -199,12 +232,26 @@ def layer_working_set(policy: str, blk: Block, b: int, s: int, c: int) -> float:
     """Bytes live while one layer runs its backward: recomputed fp32 scores / probabilities (unless
     kept), their fp32 cotangents, and fp32 cotangents of the layer's activations. cuDNN attention
     recomputes its scores block by block inside the kernel: none of them is in memory."""
-    t, scores = b * s, 0 if blk.cudnn else b * blk.heads * s * s * blk.context
+    t, scores = b * s, blk.block_scores(b, s)
     recompute = 0 if policy == "none" else (4 + 4 + c) * scores  # scores, probs fp32, probs compute dtype
     cotangents = 8 * scores
     if blk.gpu:  # the GPU compiler fuses the softmax: fp32 scores and compute-dtype probabilities, one fp32 cotangent
         recompute, cotangents = (0 if policy == "none" else (4 + c) * scores), 4 * scores
-    return recompute + cotangents + 4 * t * (2 * blk.d + 2 * blk.f)
+    return recompute + cotangents + 4 * t * (2 * blk.d + 2 * blk.f) + context_backward(blk, t, c)
+
+
+def context_backward(blk: Block, t: int, c: int) -> float:
+    """Context parallelism's attention backward (jaxpar.layers.ring), beside the block kernels' own: the
+    running dq in fp32, one block's dq, dk, dv out of the kernel and in fp32, and the K / V it visits: the
+    ring's block and the next one with the travelling dK / dV in fp32 (the running and the sent), or
+    all_gather's whole gathered K / V with their gradients in the compute dtype. 0 without cp."""
+    if blk.context <= 1:
+        return 0.0
+    kv = c * t * 2 * blk.kv  # one rank's K and V
+    block = 4 * t * blk.q + (c + 4) * t * (blk.q + 2 * blk.kv)
+    if blk.gathers_context:
+        return block + 2 * blk.context * kv
+    return block + 2 * kv + 2 * 4 * t * 2 * blk.kv
 
 
 def head_working_set(config: Config, blk: Block, t: int, c: int) -> float:
@@ -300,6 +347,10 @@ def _activations(config: Config, c: int, target: str) -> dict:
     dev, host = saved_per_layer(policy, blk, b, s, c)
     live_mb, ring = _pipeline_live(config, c * b * s * m.d_model / blk.seq_split, target)
     saved = live_mb * layers * dev
+    if target == "gpu" and pp == 1 and config.train.grad_accum > 1:
+        # XLA's while-loop double buffering unrolls the accumulation loop by two, and the program keeps both
+        # halves' saved activations (docs/design.md, "Gradient accumulation scans every microbatch")
+        saved *= 2
     host_saved = live_mb * layers * host
     work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, blk, b * head_positions(config), c))
     out = {"saved": saved, "saved_host": host_saved, "pipeline_buffers": ring, "working_set": work,

@@ -108,7 +108,7 @@ def memory_bound_s(config: Config, hw: Hardware, slots: dict[str, int]) -> dict[
     attention = 0.0
     if not blk.cudnn:
         per_score = SCORE_BYTES_SAVED if config.remat.policy in ("none", "dots") else SCORE_BYTES_RECOMPUTED
-        attention = per_score * b * blk.heads * s * s * blk.context * passes["backward"]
+        attention = per_score * b * blk.heads * s * s * blk.context * blk.attention_share * passes["backward"]
     counts = local_params(config)
     params = counts["llm_layers"] + counts["llm_rest"]
     optimizer = OPTIMIZER_BYTES * params / (mesh.dp if config.zero.stage >= 1 else 1)
