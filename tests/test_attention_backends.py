@@ -262,3 +262,5 @@ def test_under_context_parallelism_the_vlas_prefix_takes_cudnn_and_the_line_says
     resolved, line = choose_attention(config, H100)
     assert (resolved.model.attention, resolved.vision.attention) == ("cudnn", "cudnn")
     assert "causal mask or none (never a bias)" in line and "\n" not in line
+    ulysses = replace(VLA, precision="bf16", mesh=dict(cp=2, cp_strategy="ulysses"))  # one device's masks, heads split
+    assert choose_attention(ulysses, H100)[0].model.attention == "xla"

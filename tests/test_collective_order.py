@@ -196,6 +196,8 @@ LAYOUTS = {  # in `make test`
     # dp x cp collectives, and the ring's sends
     "cp all_gather, ZeRO-2": lambda: _cp(make_config(dp=2, tp=2, stage=2), cp=2),
     "cp ring, sequence parallel": lambda: _cp(make_config(dp=1, tp=2, stage=1), cp=4, strategy="ring", sp=True),
+    # Ulysses: q, k, v all-to-all over cp (chained both ways) and the output's back, beside the tp collectives
+    "cp ulysses, sequence parallel": lambda: _cp(make_config(dp=1, tp=2, stage=1), cp=4, strategy="ulysses", sp=True),
     # the VLA under cp: the encoder's images split over cp too, the image cotangent summed over cp
     "VLA cp, ZeRO-1": lambda: _vla(mesh=dict(dp=2, pp=1, tp=2, cp=2), vision=dict(tp=2), pipeline=dict(microbatches=1),
                                    zero=dict(stage=1), actions=dict(instruction_len=34)),

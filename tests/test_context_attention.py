@@ -156,7 +156,8 @@ def cp_attention(strategy: str, ways: int, prefix_len: int):
 
 @pytest.mark.parametrize("strategy,ways,prefix_len,kv_heads", [
     ("ring", 4, 0, 2), ("all_gather", 4, 0, 4), ("ring", 2, 10, 4),
-    ("ring", 4, 40, 2), ("all_gather", 4, 13, 2), ("all_gather", 2, 0, 1)])
+    ("ring", 4, 40, 2), ("all_gather", 4, 13, 2), ("all_gather", 2, 0, 1),
+    ("ulysses", 4, 0, 4), ("ulysses", 2, 13, 2), ("ulysses", 4, 0, 2), ("ulysses", 4, 40, 1)])  # (KV heads repeated)
 def test_context_attention_over_cp_is_the_whole_attention_and_its_gradients(strategy, ways, prefix_len, kv_heads):
     batch, seq, heads, head_dim = 2, 48, 4, 8
     q = jax.random.normal(jax.random.key(0), (batch, seq, heads, head_dim))

@@ -59,6 +59,15 @@ def test_context_parallel_matrix_matches_single_device(layout):
 
 RING = [(1, 4, 1, 0, False, 8), pytest.param((2, 2, 2, 3, True, 2), marks=pytest.mark.slow),
         pytest.param((1, 2, 2, 1, False, 1), marks=pytest.mark.slow)]
+ULYSSES = [(1, 4, 1, 1, False, 8), pytest.param((2, 2, 2, 3, True, 2), marks=pytest.mark.slow),
+           pytest.param((1, 2, 2, 0, False, 1), marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("layout", ULYSSES, ids=str)
+def test_ulysses_matches_single_device(layout):
+    """cp_strategy=ulysses: q, k, v all-to-all from sequence- to head-sharded over cp, attention as on one device,
+    the output back; with ZeRO-3, sequence parallelism and GQA (one KV head per tp rank, repeated to cp)."""
+    check(layout, strategy="ulysses")
 
 
 @pytest.mark.parametrize("layout", RING, ids=str)
@@ -68,22 +77,23 @@ def test_ring_attention_matches_single_device(layout):
     check(layout, strategy="ring")
 
 
-# (dp, tp, ZeRO stage, schedule, virtual stages) at pp = 2, cp = 2, m = 4; 4 layers, batch 24
+# (dp, tp, ZeRO stage, schedule, virtual stages, cp strategy) at pp = 2, cp = 2, m = 4; 4 layers, batch 24
 PIPELINED = [
-    (1, 2, 0, "1f1b", 1),
-    pytest.param(2, 1, 1, "zb", 1, marks=pytest.mark.slow),  # zb's split backward, dp x cp reductions
-    pytest.param(2, 1, 2, "1f1b", 2, marks=pytest.mark.slow),  # interleaved, ZeRO-2 chunk by chunk
-    pytest.param(1, 2, 0, "gpipe", 1, marks=pytest.mark.slow),
+    (1, 2, 0, "1f1b", 1, "all_gather"),
+    pytest.param(2, 1, 1, "zb", 1, "all_gather", marks=pytest.mark.slow),  # zb's split backward, dp x cp reductions
+    pytest.param(2, 1, 2, "1f1b", 2, "all_gather", marks=pytest.mark.slow),  # interleaved, ZeRO-2 chunk by chunk
+    pytest.param(1, 2, 0, "gpipe", 1, "all_gather", marks=pytest.mark.slow),
+    pytest.param(1, 2, 1, "1f1b", 2, "ulysses", marks=pytest.mark.slow),  # the heads' all-to-alls in every chunk
 ]
 
 
-@pytest.mark.parametrize("dp,tp,stage,schedule,virtual", PIPELINED)
-def test_context_parallel_pipeline_matches_single_device(dp, tp, stage, schedule, virtual):
-    """The stages send [B, S / cp] chunks; each stage's layers gather K / V over cp."""
+@pytest.mark.parametrize("dp,tp,stage,schedule,virtual,strategy", PIPELINED)
+def test_context_parallel_pipeline_matches_single_device(dp, tp, stage, schedule, virtual, strategy):
+    """The stages send [B, S / cp] chunks; each stage's layers gather K / V over cp (or trade heads: ulysses)."""
     model = dataclasses.replace(TINY_MODEL, n_layers=4)
     config = make_config(dp=dp, pp=2, tp=tp, stage=stage, model=model, global_batch_size=24)
-    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, cp=2), pipeline=PipelineConfig(
-        schedule=schedule, microbatches=4, virtual_stages=virtual))
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, cp=2, cp_strategy=strategy),
+                                 pipeline=PipelineConfig(schedule=schedule, microbatches=4, virtual_stages=virtual))
     validate(config)
     ref_grads, ref_losses, _ = reference(model=model, global_batch_size=24)
     grads, losses, _ = run(config)
@@ -111,11 +121,19 @@ def test_each_rank_takes_its_tokens_and_gathers_the_keys_over_cp():
 @pytest.mark.parametrize("overrides,message", [
     (dict(cp=4, seq=12), "mesh.cp=4 cuts the train.seq_len=12 into 2 x cp chunks, which do not divide it; make it a "
                          "multiple of 8"),
-    (dict(cp=2, strategy="ulysses"), "mesh.cp_strategy='ulysses' is unknown; use all_gather or ring"),
+    (dict(cp=2, strategy="deepspeed"), "mesh.cp_strategy='deepspeed' is unknown; use all_gather, ring or ulysses"),
+    (dict(cp=2, tp=8, strategy="ulysses"), "mesh.cp_strategy=ulysses splits the 8 query heads over cp x tp = 16, "
+                                           "which does not divide them; use a cp x tp that divides 8, or "
+                                           "cp_strategy=all_gather or ring"),
+    (dict(cp=4, tp=2, kv=6, heads=24, strategy="ulysses"),
+     "mesh.cp_strategy=ulysses splits each tp rank's 3 KV heads over cp=4 (or repeats them to cp), which neither "
+     "divides; use a cp dividing or divisible by 3, or cp_strategy=all_gather or ring"),
 ])
 def test_context_parallel_refusals_are_one_line(overrides, message):
-    config = make_config(seq_len=overrides.get("seq", 16))
-    mesh = dataclasses.replace(config.mesh, cp=overrides["cp"], pp=overrides.get("pp", 1),
+    heads = overrides.get("heads", 8)
+    model = dataclasses.replace(TINY_MODEL, n_heads=heads, n_kv_heads=overrides.get("kv", 8), d_model=8 * heads)
+    config = make_config(seq_len=overrides.get("seq", 16), model=model)
+    mesh = dataclasses.replace(config.mesh, cp=overrides["cp"], pp=overrides.get("pp", 1), tp=overrides.get("tp", 1),
                                cp_strategy=overrides.get("strategy", "all_gather"))
     with pytest.raises(ConfigError) as err:
         validate(dataclasses.replace(config, mesh=mesh))
@@ -128,6 +146,7 @@ VLA_LAYOUTS = [
     ((2, 1, 2, 2, 2, "zero1", "all_gather")),  # the encoder's images split over cp too; ZeRO-1 over dp x cp
     pytest.param((1, 2, 2, 2, 1, "1f1b", "ring"), marks=pytest.mark.slow),  # the pipeline's image cotangents
     pytest.param((1, 1, 4, 2, 2, "zero3", "all_gather"), marks=pytest.mark.slow),
+    pytest.param((2, 1, 2, 2, 2, "zero1", "ulysses"), marks=pytest.mark.slow),  # the prefix-LM mask on whole heads
 ]
 
 

@@ -182,14 +182,14 @@ def test_recommender_leaves_context_parallelism_out_at_short_sequences(gpus):
 
 
 def test_recommender_cp_search_is_pruned_as_its_docstring_says():
-    """cp x tp inside a node, one microbatch size per cp mesh (the smallest), both strategies, priced apart:
+    """cp x tp inside a node, one microbatch size per cp mesh (the smallest), all three strategies, priced apart:
     the ring keeps no gathered K / V (less memory where remat none keeps all_gather's, at cp >= 4 whose
     gathered blocks outweigh the ring's fp32 dK / dV in flight) and sends its dK / dV in fp32 (more traffic)."""
     config = load_config("llama7b.py", ["train.seq_len=32768"])
     layouts = list(recommend.candidates(config, 64, 8))
     context = [c for c in layouts if c.mesh.cp > 1]
     assert {c.mesh.cp for c in context} == {2, 4, 8}
-    assert {c.mesh.cp_strategy for c in context} == {"all_gather", "ring"}
+    assert {c.mesh.cp_strategy for c in context} == {"all_gather", "ring", "ulysses"}
     assert all(c.mesh.cp * c.mesh.tp <= 8 for c in context)
     for c in context:  # a microbatch of one sequence: m = the dp shard's sequences (up to 8 without pp)
         per_dp = config.train.global_batch_size // c.mesh.dp
@@ -311,13 +311,15 @@ FLOPS_MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=4, n_heads=8, n_k
 
 
 @functools.cache
-def flops_dry_run(dp, pp, tp, stage=0, remat="none", m=1, vla=False, schedule="1f1b", virtual=1, cp=1) -> tuple[Config, dict]:
+def flops_dry_run(dp, pp, tp, stage=0, remat="none", m=1, vla=False, schedule="1f1b", virtual=1, cp=1,
+                  strategy="all_gather") -> tuple[Config, dict]:
     if vla:
         config = load_config("vla_tiny.py", [f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}",
                                              f"pipeline.microbatches={m}", f"remat.policy={remat}"])
     else:
         config = make_config(dp=dp, pp=pp, tp=tp, stage=stage, model=FLOPS_MODEL, seq_len=512)
-        config = dataclasses.replace(config, remat=RematConfig(remat), mesh=dataclasses.replace(config.mesh, cp=cp),
+        config = dataclasses.replace(config, remat=RematConfig(remat),
+                                     mesh=dataclasses.replace(config.mesh, cp=cp, cp_strategy=strategy),
                                      pipeline=dataclasses.replace(config.pipeline, microbatches=m, schedule=schedule,
                                                                   virtual_stages=virtual))
         validate(config)
@@ -339,7 +341,8 @@ def assert_flops_agree(config, report, bubble_fraction):
 
 @pytest.mark.parametrize("layout", [dict(remat="none"), dict(remat="selective"), dict(remat="full"),
                                     dict(dp=2, tp=4, stage=1, remat="none"), dict(dp=2, tp=4, stage=1, remat="full"),
-                                    dict(cp=4, tp=2, remat="none"), dict(dp=2, cp=2, tp=2, stage=1, remat="full")],
+                                    dict(cp=4, tp=2, remat="none"), dict(dp=2, cp=2, tp=2, stage=1, remat="full"),
+                                    dict(cp=4, tp=2, remat="selective", strategy="ulysses")],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_planned_flops_match_the_compiled_step_without_pipeline(layout):
     layout = {"dp": 1, "pp": 1, "tp": 1, **layout}

@@ -82,8 +82,8 @@ def sites(config: Config) -> list[Site]:
         seq, mask = vla.sequence_layout(config)[2], "prefix" if model.prefix_lm else "causal"
     else:
         seq, mask = config.train.seq_len, "causal"
-    if config.mesh.cp > 1:  # jaxpar.layers.ring: causal or unmasked blocks, a prefix-LM's prefix unmasked beside
-        mask = "cp"
+    if config.mesh.cp > 1 and config.mesh.cp_strategy != "ulysses":  # jaxpar.layers.ring: causal or unmasked
+        mask = "cp"  # blocks, a prefix-LM's prefix unmasked beside (ulysses: one device's call on 1/cp of the heads)
     out = [Site("LLM", "model.attention", dtype, model.head_dim, seq, mask)]
     if model.kind == "vla":
         v = config.vision

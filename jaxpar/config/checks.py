@@ -165,10 +165,19 @@ def _validate_context_parallel(config: Config) -> None:
     the Llama and the VLA's LLM (docs/design.md, "Context parallelism")."""
     mesh = config.mesh
     _require(mesh.cp >= 1, f"mesh.cp={mesh.cp} must be >= 1")
-    _require(mesh.cp_strategy in ("all_gather", "ring"),
-             f"mesh.cp_strategy='{mesh.cp_strategy}' is unknown; use all_gather or ring")
+    _require(mesh.cp_strategy in ("all_gather", "ring", "ulysses"),
+             f"mesh.cp_strategy='{mesh.cp_strategy}' is unknown; use all_gather, ring or ulysses")
     if mesh.cp == 1:
         return
+    if mesh.cp_strategy == "ulysses":  # each cp rank takes 1/cp of its tp rank's heads (jaxpar.layers.ulysses)
+        model = config.model
+        _require(model.n_heads % (mesh.cp * mesh.tp) == 0,
+                 f"mesh.cp_strategy=ulysses splits the {model.n_heads} query heads over cp x tp = {mesh.cp * mesh.tp}, "
+                 f"which does not divide them; use a cp x tp that divides {model.n_heads}, or cp_strategy=all_gather or ring")
+        kv = max(model.n_kv_heads // mesh.tp, 1)  # a tp rank's KV heads (one, shared, with more ranks than heads)
+        _require(kv % mesh.cp == 0 or mesh.cp % kv == 0,
+                 f"mesh.cp_strategy=ulysses splits each tp rank's {kv} KV heads over cp={mesh.cp} (or repeats them "
+                 f"to cp), which neither divides; use a cp dividing or divisible by {kv}, or cp_strategy=all_gather or ring")
     seq, name = config.train.seq_len, "train.seq_len"
     if config.model.kind == "vla":
         seq, name = vla_sequence_layout(config)[2], "VLA sequence (image + instruction + action tokens)"

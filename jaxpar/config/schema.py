@@ -31,7 +31,8 @@ class MeshConfig:
     # tp all-reduces become reduce-scatter + all-gather pairs (same bytes, 1/tp of the activations).
     sequence_parallel: bool = False
     # Context parallelism: the sequence split over cp for the whole layer, attention over the whole
-    # sequence by `cp_strategy` (all_gather: K / V gathered over cp). Devices = dp x pp x cp x tp.
+    # sequence by `cp_strategy` (all_gather: K / V gathered over cp; ring: passed around it; ulysses: heads
+    # all-to-all over cp). Devices = dp x pp x cp x tp.
     cp: int = 1
     cp_strategy: str = "all_gather"
     # Under sequence parallelism, each block's all-gather / reduce-scatter decomposed into tp ppermute steps

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.layers import ulysses
 from jaxpar.layers.collectives import Collectives
 from jaxpar.layers.cudnn import cudnn_attention
 
@@ -85,13 +86,19 @@ def core_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Ar
 
 def context_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, positions_S: jax.Array,
                       coll: Collectives, prefix_len: int, implementation: str) -> jax.Array:
-    """This cp rank's queries (at `positions_S`) against the whole sequence, with no mask buffer: causal
-    blocks over cp (Collectives.context_attention), and with a prefix-LM's `prefix_len` the prefix's
-    queries answered apart. A query inside the prefix sees exactly the prefix's keys (causal or not, every
+    """This cp rank's queries (at `positions_S`) against the whole sequence. `ulysses`: the heads trade places
+    with the sequence over cp (jaxpar.layers.ulysses) and attention runs as on one device. Otherwise, with no
+    mask buffer: causal blocks over cp (Collectives.context_attention), and with a prefix-LM's `prefix_len`
+    the prefix's queries answered apart. A query inside the prefix sees exactly the prefix's keys (causal or not, every
     key it sees lies there), so its row is one unmasked attention against them; a query after it sees
     what causal attention gives. Both are computed for the rank's queries (it cannot know statically
     which of them lie in the prefix) and each row takes its own: the prefix's attention costs 2 c x P
     more, and no kernel ever gets a mask."""
+    if coll.context_strategy == "ulysses":  # the whole sequence for 1/cp of the heads: attention as on one device
+        q, k, v = ulysses.heads_from_sequence(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, coll.context_axis)
+        mask = prefix_lm_mask(q.shape[1], prefix_len) if prefix_len else None
+        o_BxSxNxH = core_attention(q, k, v, implementation, mask=mask, is_causal=mask is None)
+        return ulysses.sequence_from_heads(o_BxSxNxH, coll.context_axis)
     causal_BxSxNxH, prefix = coll.context_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, prefix_len, implementation)
     if prefix is None:
         return causal_BxSxNxH

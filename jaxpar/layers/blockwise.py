@@ -95,6 +95,8 @@ def leading_positions(seq_len: int, ways: int, stop: int) -> list[tuple[int, int
     """[(start, end)] ranges of an array in balanced_order(seq_len, ways) that, concatenated, hold the
     positions 0..stop-1 in order (the prefix-LM's keys): chunk b < ways is rank b's first half, chunk
     b >= ways rank 2 ways - 1 - b's second half. Static slices: no gather, no mask."""
+    if not 0 <= stop <= seq_len:
+        raise ValueError(f"positions 0..{stop - 1} are not all in a sequence of {seq_len}")
     chunk, ranges = seq_len // (2 * ways), []
     for b in range(-(-stop // chunk)):
         start = b * 2 * chunk if b < ways else (2 * ways - 1 - b) * 2 * chunk + chunk

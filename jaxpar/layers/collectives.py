@@ -74,7 +74,7 @@ class Collectives:
     # Context parallelism: the sequence is split over this axis in balanced_order; attention gathers
     # the keys and values over it (jaxpar.layers.attention, docs/design.md "Context parallelism")
     context_axis: str | None = None
-    context_strategy: str = "all_gather"  # or "ring": K / V blocks passed around the cp ranks
+    context_strategy: str = "all_gather"  # or "ring": K / V blocks passed around the cp ranks; "ulysses": heads all-to-all
     # Sequence parallelism's gather / scatter decomposed around the block's GEMMs (column_linears, row_linear;
     # jaxpar.layers.collective_matmul): "on", "off", or "auto" = on where collectives keep their freedom (GPUs:
     # order.ordering_on() is False) and the layers run no dp collectives (matmul_rings), for chunks of

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers import blockwise, cudnn
-from jaxpar.layers.order import after
+from jaxpar.layers.order import after, chain
 
 OWN, EARLIER, LATER = 0, 1, 2  # a block's relation to this rank's (module docstring)
 _NOTHING_SEEN = -1e30  # the log-sum-exp of a query that sees no key of a block: no weight in the merge
@@ -141,18 +141,24 @@ class _Ring:
         self.axis = axis
         self.ways, self.rank = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
         self.pairs = [(i, (i + 1) % self.ways) for i in range(self.ways)]
+        self.last = None  # the latest send's result: the next send waits for it (XLA:CPU)
 
     def kind(self, step: int):
         """The relation of the block held at `step`, rank (r - step)'s: OWN (static) at step 0."""
         return OWN if step == 0 else relation((self.rank - step) % self.ways, self.rank)
 
     def send(self, x):
-        return jax.lax.ppermute(x, self.axis, self.pairs)
+        """x (an array or a tuple: K and V) to the next rank. jax sends a tuple leaf by leaf; on XLA:CPU each
+        send waits for the one before, across steps too (jaxpar.layers.order.chain); on GPUs, where that is the
+        identity, XLA's combiner makes the pair one collective-permute of two buffers."""
+        out = chain(lambda a: jax.lax.ppermute(a, self.axis, self.pairs), x, start=self.last)
+        self.last = jax.tree.leaves(out)[-1]
+        return out
 
 
 def _ring_forward(q, k, v, axis, kernel):
     ring, blocks = _Ring(axis), _Blocks(kernel, q.shape[1])
-    # K and V travel together as a pair, one collective of two buffers: as one array the GPU program
+    # K and V travel as a pair (one collective-permute of two buffers on GPUs): as one array the GPU program
     # copied both out of every block it received (slices feed no kernel in place), all blocks' at once
     kv, merged = (k, v), None
     for step in range(ring.ways):

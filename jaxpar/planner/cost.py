@@ -91,7 +91,7 @@ def llm_flops(config: Config) -> dict[str, float]:
     v = config.pipeline.virtual_stages if pipelined else 1
     blk = llm_block(config)
     fwd, layers = layer_forward(blk, b, s), m.n_layers // mesh.pp
-    again = layers * recompute(fwd, policy, blockwise=blk.context > 1)
+    again = layers * recompute(fwd, policy, blockwise=blk.context > 1 and not blk.trades_heads)
     if pipelined and config.pipeline.stage_recompute:
         dead = fwd["total" if policy == "full" else "mlp_out"] if layers == v else 0.0
         again += layers * fwd["total"] - v * dead
@@ -208,8 +208,9 @@ def _cp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int, forward
     """Context parallelism's K / V traffic per step. Each layer forward (and recomputed forward) brings the
     other cp - 1 ranks' K and V: one all-gather each (all_gather), or cp - 1 sends of a block (ring). The
     backward returns their gradients: all_gather's reduce-scatters of dK, dV (the same bytes); the ring's
-    cp - 1 sends of K / V again plus cp sends of the travelling dK / dV in fp32 (jaxpar.layers.ring). Counted
-    as exposed, though a GPU's schedule overlaps most of them (BENCHMARKS.md)."""
+    cp - 1 sends of K / V again plus cp sends of the travelling dK / dV in fp32 (jaxpar.layers.ring). Ulysses:
+    (cp - 1) / cp of q, k, v and the output each way, in every pass. Counted as exposed, though a GPU's
+    schedule overlaps most of them (BENCHMARKS.md)."""
     mesh, m = config.mesh, config.model
     if mesh.cp <= 1:
         return 0.0, "none"
@@ -217,6 +218,10 @@ def _cp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int, forward
     kv = max(m.n_kv_heads // mesh.tp, 1) * m.head_dim
     block = c * microbatch(config) * local_seq(config) * 2 * kv  # K and V of one rank's tokens, its tp heads
     bw, link = link_bandwidth(mesh.tp, mesh.cp, gpus_per_node, hw)
+    if mesh.cp_strategy == "ulysses":  # q, k, v and the output all-to-all, (cp - 1) / cp of each, both ways
+        q = m.n_heads // mesh.tp * m.head_dim
+        swapped = (mesh.cp - 1) / mesh.cp * (block + 2 * c * microbatch(config) * local_seq(config) * q)
+        return (forwards + 1) * swapped * (m.n_layers // mesh.pp) * passes / bw, link
     gathered = (mesh.cp - 1) * block
     backward = gathered + (mesh.cp * block * 4 / c if mesh.cp_strategy == "ring" else 0)
     return (forwards * gathered + backward) * (m.n_layers // mesh.pp) * passes / bw, link

@@ -129,18 +129,21 @@ class Block:
     # them on XLA; cuDNN's causal kernel skips half; under context parallelism jaxpar.layers.ring's blocks
     # (cuDNN 1/2, XLA's block math (cp + 1) / 2 cp: its causal diagonal block whole) plus a VLA prefix's P / S
     attention_share: float = 1.0
+    trades_heads: bool = False  # cp_strategy=ulysses: the whole sequence for 1/cp of the heads (jaxpar.layers.ulysses)
     regathers: bool = False  # ZeRO-3 over > 1 device: no all-gathered tensor is kept (parallel.zero.never_keep_gathered)
 
     def saved_scores(self, b: int, s: int) -> int:
         """Score elements a layer keeps for its backward: XLA's [b, h, s, s]; none with cuDNN (its fp32 [b, h, s]
         statistics) or under context parallelism (jaxpar.layers.ring's custom_vjps keep q, k, v, the output and
         the statistics; a block's scores live only while it is computed)."""
-        return 0 if self.cudnn or self.context > 1 else b * self.heads * s * s
+        if self.cudnn or (self.context > 1 and not self.trades_heads):
+            return 0
+        return b * self.heads * s * s * self.context  # ulysses: heads / cp of them over S x S = heads x s x S
 
     def block_scores(self, b: int, s: int) -> int:
         """Score elements of the largest attention call's scores while it runs: XLA's [b, h, s, s] (under cp
         the own block, 2 c x 2 c = the rank's s x s; the others are half); none with cuDNN (in the kernel)."""
-        return 0 if self.cudnn else b * self.heads * s * s
+        return 0 if self.cudnn else b * self.heads * s * s * (self.context if self.trades_heads else 1)
 
 
 def attention_share(config: Config) -> float:
@@ -150,7 +153,7 @@ def attention_share(config: Config) -> float:
     cp, model = config.mesh.cp, config.model
     prefix = model.kind == "vla" and model.prefix_lm
     cudnn = model.attention == "cudnn"
-    if cp <= 1:
+    if cp <= 1 or config.mesh.cp_strategy == "ulysses":  # (ulysses: one device's kernel on 1/cp of the heads)
         return 0.5 if cudnn and not prefix else 1.0
     share = 0.5 if cudnn else (cp + 1) / (2 * cp)
     if prefix:  # the prefix's rows: one unmasked call against its keys
@@ -163,7 +166,8 @@ def llm_block(config: Config, target: str = "cpu") -> Block:
     return Block(m.d_model, m.n_heads // tp * m.head_dim, max(m.n_kv_heads // tp, 1) * m.head_dim, m.d_ff // tp,
                  m.n_heads // tp, True, tp if config.mesh.sequence_parallel else 1, m.attention == "cudnn",
                  target == "gpu", config.mesh.cp, config.mesh.cp > 1 and config.mesh.cp_strategy == "all_gather",
-                 attention_share(config), config.zero.stage >= 3 and data_ways(config) > 1)
+                 attention_share(config), config.mesh.cp > 1 and config.mesh.cp_strategy == "ulysses",
+                 config.zero.stage >= 3 and data_ways(config) > 1)
 
 
 def vit_block(config: Config, target: str = "cpu") -> Block:
@@ -237,20 +241,23 @@ def layer_working_set(policy: str, blk: Block, b: int, s: int, c: int) -> float:
     cotangents = 8 * scores
     if blk.gpu:  # the GPU compiler fuses the softmax: fp32 scores and compute-dtype probabilities, one fp32 cotangent
         recompute, cotangents = (0 if policy == "none" else (4 + c) * scores), 4 * scores
-    return recompute + cotangents + 4 * t * (2 * blk.d + 2 * blk.f) + context_backward(blk, t, c)
+    return recompute + cotangents + 4 * t * (2 * blk.d + 2 * blk.f) + context_backward(blk, t, c, policy)
 
 
-def context_backward(blk: Block, t: int, c: int) -> float:
+def context_backward(blk: Block, t: int, c: int, policy: str = "selective") -> float:
     """Context parallelism's attention backward (jaxpar.layers.ring), beside the block kernels' own: the
     running dq in fp32, one block's dq, dk, dv out of the kernel and in fp32, and the K / V it visits: the
     ring's block and the next one with the travelling dK / dV in fp32 (the running and the sent), or
-    all_gather's whole gathered K / V with their gradients in the compute dtype. 0 without cp."""
+    all_gather's whole gathered K / V with their gradients in the compute dtype; ulysses' head-sharded copies of
+    q, k, v and the output. 0 without cp."""
     if blk.context <= 1:
         return 0.0
+    if blk.trades_heads:  # ulysses: q, k, v and the output for 1/cp of the heads, beside the local ones
+        return c * t * (2 * blk.q + 2 * blk.kv)
     kv = c * t * 2 * blk.kv  # one rank's K and V
     block = 4 * t * blk.q + (c + 4) * t * (blk.q + 2 * blk.kv)
-    if blk.gathers_context:
-        return block + 2 * blk.context * kv
+    if blk.gathers_context:  # the gathered K / V (already among the saved activations where the policy keeps them)
+        return block + (1 if policy in ("none", "dots") else 2) * blk.context * kv
     return block + 2 * kv + 2 * 4 * t * 2 * blk.kv
 
 

@@ -12,9 +12,11 @@ Context parallelism (mesh.cp) multiplies the search (every split of the devices 
 factor), so cp > 1 is pruned where it cannot win or cannot run:
 - cp x tp inside one node (`gpus_per_node`): cp across processes is refused at start
   (jaxpar.parallel.mesh), and the planner would price its per-layer K / V traffic over the NICs.
-- Both strategies: all_gather keeps the whole sequence's K / V on each rank (where a policy keeps
+- All three strategies: all_gather keeps the whole sequence's K / V on each rank (where a policy keeps
   the gathered tensors) and moves fewer bytes in the backward; the ring keeps none, and sends its
   dK / dV in fp32 (planner/memory.py, cost.py), so the ring wins where the gathered K / V do not fit.
+  Ulysses (where the heads divide over cp x tp) moves q, k, v and the output by all-to-alls and runs one
+  device's kernel on 1/cp of the heads.
 - Only the smallest microbatch the search tries for that mesh (one sequence with a pipeline):
   cp cuts a microbatch's tokens, as splitting it into more microbatches (or more dp) does without
   the K / V traffic, so cp is the next step after the batch cannot be split further. Without this
@@ -49,7 +51,7 @@ OFFLOADS = (OffloadConfig(),
             OffloadConfig(optimizer=True, update="host"),
             OffloadConfig(params=True),
             OffloadConfig(optimizer=True, update="host", params=True))
-CP_STRATEGIES = ("all_gather", "ring")  # priced apart: see the module docstring
+CP_STRATEGIES = ("all_gather", "ring", "ulysses")  # priced apart: see the module docstring
 
 
 def divisors(n: int) -> list[int]:
