@@ -210,7 +210,8 @@ def gpu_fields(gpu: GpuTarget, per_device: dict, text: str) -> dict:
     """What only a GPU program says: the target, whether the step fits the memory budget (the share of
     its memory the planner plans with and a GPU run gives XLA's allocator: hardware.memory_budget), and
     the library kernels it calls (cuDNN attention is taken only if the program has its custom calls; its
-    forward calls are one per layer and microbatch, two where remat re-runs it in the backward)."""
+    forward calls are one per layer and microbatch, two where remat re-runs it in the backward; under
+    context parallelism 1 + 2 (cp - 1) per layer, each branch of a block's cond counted, cp of them run)."""
     from jaxpar.compiler.gpu_aot import cuda_version
 
     calls = hlo_flops.custom_call_counts(text)

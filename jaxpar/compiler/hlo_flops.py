@@ -179,9 +179,10 @@ def executed_flops(hlo_text: str, scopes: tuple[str, ...] = ()) -> dict:
     condition; nested loops multiply through). Elementwise work is not counted (nor in model FLOPs).
 
     A conditional runs one branch, known only at run time: each counts its costliest branch, an upper
-    bound, exact when the branches cost the same. The train step's only conditional is the NaN guard
-    (jaxpar/parallel/step.py: optimizer update vs identity, no matmul in either), so the rule changes
-    nothing there; unlike the sum over branches (`collectives`), it cannot count work that never runs.
+    bound, exact when the branches cost the same. The train step's conditionals are the NaN guard
+    (jaxpar/parallel/step.py: optimizer update vs identity, no matmul in either) and context parallelism's
+    block kinds (jaxpar.layers.ring: two branches of equal FLOPs), so the rule is exact there; unlike the sum
+    over branches (`collectives`), it cannot count work that never runs.
 
     Returns {"total", "dot", "convolution", "attention" (cuDNN fused attention), "trip_count_unknown" (a
     loop counted once), "uncounted" (custom-calls that look like matmuls but cannot be read; unreadable
