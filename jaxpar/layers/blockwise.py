@@ -102,3 +102,14 @@ def leading_positions(seq_len: int, ways: int, stop: int) -> list[tuple[int, int
         start = b * 2 * chunk if b < ways else (2 * ways - 1 - b) * 2 * chunk + chunk
         ranges.append((start, start + min(chunk, stop - b * chunk)))
     return ranges
+
+
+def take_ranges(x_BxSx: jax.Array, ranges: list[tuple[int, int]]) -> jax.Array:
+    """x's sequence slices [a, b) of `ranges`, concatenated along the sequence (static slices, no gather)."""
+    return jnp.concatenate([x_BxSx[:, a:b] for a, b in ranges], axis=1)
+
+
+def in_position_order(x_BxSx: jax.Array, ways: int, stop: int | None = None) -> jax.Array:
+    """Positions 0..stop-1 (default: all) of a sequence held in balanced_order(S, ways), in position order."""
+    seq = x_BxSx.shape[1]
+    return take_ranges(x_BxSx, leading_positions(seq, ways, seq if stop is None else stop))

@@ -74,7 +74,8 @@ class Collectives:
     # Context parallelism: the sequence is split over this axis in balanced_order; attention gathers
     # the keys and values over it (jaxpar.layers.attention, docs/design.md "Context parallelism")
     context_axis: str | None = None
-    context_strategy: str = "all_gather"  # or "ring": K / V blocks passed around the cp ranks; "ulysses": heads all-to-all
+    # "all_gather", "ring" (K / V blocks passed around the cp ranks) or "ulysses" (heads all-to-all over cp)
+    context_strategy: str = "all_gather"
     # Sequence parallelism's gather / scatter decomposed around the block's GEMMs (column_linears, row_linear;
     # jaxpar.layers.collective_matmul): "on", "off", or "auto" = on where collectives keep their freedom (GPUs:
     # order.ordering_on() is False) and the layers run no dp collectives (matmul_rings), for chunks of
@@ -115,20 +116,14 @@ class Collectives:
             prefix = None
             if prefix_len:  # (a VLA: short sequences, whose prefix is most of them)
                 gathered = chain_both_ways(gather, (k_BxSxKxH, v_BxSxKxH))  # V's after K's both ways (XLA:CPU)
-                prefix = tuple(self._leading(x, ways, prefix_len) for x in gathered)
+                prefix = tuple(blockwise.in_position_order(x, ways, prefix_len) for x in gathered)
                 q_BxSxNxH, k_BxSxKxH, v_BxSxKxH = ordered_both_ways((q_BxSxNxH, k_BxSxKxH, v_BxSxKxH), prefix)
             return ring.ring_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, axis, kernel), prefix
         # two gathers, V's after K's both ways (independent collectives could start in either order on
         # XLA:CPU: jaxpar.layers.order; one gather of K and V concatenated costs a GPU program copies of both)
         k_all, v_all = chain_both_ways(gather, (k_BxSxKxH, v_BxSxKxH))
-        prefix = tuple(self._leading(x, ways, prefix_len) for x in (k_all, v_all)) if prefix_len else None
+        prefix = tuple(blockwise.in_position_order(x, ways, prefix_len) for x in (k_all, v_all)) if prefix_len else None
         return ring.gathered_attention(q_BxSxNxH, k_all, v_all, axis, kernel), prefix
-
-    @staticmethod
-    def _leading(x_BxTx: jax.Array, ways: int, stop: int) -> jax.Array:
-        """Positions 0..stop-1 of an array in balanced_order, in position order (static slices)."""
-        ranges = blockwise.leading_positions(x_BxTx.shape[1], ways, stop)
-        return jnp.concatenate([x_BxTx[:, a:b] for a, b in ranges], axis=1)
 
     def linear(self, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
         """A weight matmul, einsum(equation, x, w). The model calls it for every linear so that a zb

@@ -22,20 +22,11 @@ from jaxpar.layers import blockwise
 from jaxpar.layers.order import chain_both_ways
 
 
-def _reorder(x_BxSx, ranges) -> jax.Array:
-    return jnp.concatenate([x_BxSx[:, a:b] for a, b in ranges], axis=1)
-
-
-def to_position_order(x_BxSx: jax.Array, ways: int) -> jax.Array:
-    """A sequence in balanced_order(S, ways) put in position order (static slices)."""
-    return _reorder(x_BxSx, blockwise.leading_positions(x_BxSx.shape[1], ways, x_BxSx.shape[1]))
-
-
 def to_balanced_order(x_BxSx: jax.Array, ways: int) -> jax.Array:
     """A sequence in position order put in balanced_order(S, ways): rank r's chunks r and 2 ways - 1 - r."""
     chunk = x_BxSx.shape[1] // (2 * ways)
     ranges = [(c * chunk, (c + 1) * chunk) for r in range(ways) for c in (r, 2 * ways - 1 - r)]
-    return _reorder(x_BxSx, ranges)
+    return blockwise.take_ranges(x_BxSx, ranges)
 
 
 def heads_from_sequence(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, axis: str):
@@ -47,7 +38,7 @@ def heads_from_sequence(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, axis: str):
         repeat = lambda x: jnp.repeat(x, ways // kv_heads, axis=2)  # noqa: E731
         k_BxSxKxH, v_BxSxKxH = repeat(k_BxSxKxH), repeat(v_BxSxKxH)
     swap = lambda x: jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # noqa: E731
-    return tuple(to_position_order(x, ways) for x in chain_both_ways(swap, (q_BxSxNxH, k_BxSxKxH, v_BxSxKxH)))
+    return tuple(blockwise.in_position_order(x, ways) for x in chain_both_ways(swap, (q_BxSxNxH, k_BxSxKxH, v_BxSxKxH)))
 
 
 def sequence_from_heads(o_BxSxNxH: jax.Array, axis: str) -> jax.Array:
