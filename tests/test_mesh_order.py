@@ -74,6 +74,20 @@ def test_tp_groups_stay_inside_a_process_whatever_the_device_listing(dp, tp):
     assert set(procs[:, 0, 0]) == set(range(dp * tp // 4))  # dp crosses every process
 
 
+@pytest.mark.parametrize("dp,cp,tp,processes,per_process", [(1, 8, 8, 8, 8), (2, 4, 4, 4, 8), (1, 2, 4, 2, 4)])
+def test_tp_fills_a_node_and_a_cp_group_crosses_nodes(dp, cp, tp, processes, per_process):
+    """Issue 48 item 3: cp x tp beyond a node (llama7b's 1,048,576 tokens: cp 8 across 8 nodes x tp 8). Each
+    tp group stays on one process and each cp group's ranks are on different processes, every one of them;
+    the leftover of a node goes to cp before dp."""
+    grid = process_grid(Layout(dp=dp, cp=cp, tp=tp)._grid_over_processes(nodes(processes, per_process)))
+    assert grid.shape == (dp, 1, cp, tp)
+    for row in grid.reshape(-1, tp):
+        assert len(set(row)) == 1, grid  # a tp group: one process
+    inside = per_process // tp
+    for group in np.moveaxis(grid, 2, -1).reshape(-1, cp):  # a cp group: cp / inside processes, inside ranks on each
+        assert sorted(np.unique(group, return_counts=True)[1]) == [inside] * (cp // inside), grid
+
+
 def test_several_processes_must_use_every_device():
     with pytest.raises(ConfigError, match="on several processes the mesh must use every device") as err:
         Layout(dp=1, tp=4)._grid_over_processes(nodes(2, 4))

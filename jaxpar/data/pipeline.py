@@ -7,6 +7,15 @@ record order and batches them by B / S, so global step s consumes records [s B, 
 order whatever the number of processes: a different process count changes only the order of rows
 inside a batch. `jax.make_array_from_process_local_data` assembles the global array from the shards.
 
+Processes of one data shard each hand JAX their own copy of its rows, and JAX compares nothing: a cp
+group that spans nodes (each rank slices its tokens of the whole sequences on the device,
+jaxpar.parallel.step.context_shard), or a tp / pp group that does, trains on a mix of two batches if
+the nodes' copies of data.train differ. So before the first step every process fingerprints the batch
+it is about to read and the fingerprints are compared (`check_shards_agree`): a mismatch is one line
+on every process, before any work. Whole sequences are read per process on purpose (as Megatron
+gives every cp rank the whole batch and slices it): token ids are 12 bytes a token with the targets
+and the mask, 12 MB for a 1,048,576-token sequence, against the gigabytes of a layer's activations.
+
 The training iterator's grain state ({"next_index": steps consumed}, the same on every process by
 construction) goes into each checkpoint and is restored on resume, so resume sees exactly the data
 an uninterrupted run would have seen.
@@ -14,11 +23,13 @@ an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Iterator
 
 import grain
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxpar.config import Config
 from jaxpar.data.episodes import EpisodeSource
@@ -41,6 +52,35 @@ def process_shard(sharding, global_batch: int) -> tuple[int, int]:
         raise ConfigError(f"this process holds batch rows {sorted(ranges)}, not one aligned contiguous block; "
                           f"order the devices so each process holds whole dp shards")
     return lo // rows, global_batch // rows
+
+
+def fingerprint(local: dict) -> np.ndarray:
+    """Two int32 words of a 64-bit digest of a batch's keys, shapes and bytes (JAX without x64 carries
+    no int64 through a collective)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for key in sorted(local):
+        value = np.ascontiguousarray(local[key])
+        digest.update(f"{key}{value.shape}{value.dtype}".encode())
+        digest.update(value.tobytes())
+    return np.frombuffer(digest.digest(), np.int32)
+
+
+def check_shards_agree(local: dict, shard: int, where: str) -> None:
+    """Every process of the run: the processes that read the same data shard read the same `local`
+    batch (see the module docstring), or a one-line ConfigError on all of them."""
+    if jax.process_count() == 1:
+        return
+    from jaxpar.parallel.processes import meet
+
+    meet("the data check")  # processes reach their first batch at their own speeds (not named by `where`: it may differ)
+    rows = multihost_utils.process_allgather(np.concatenate([[shard], fingerprint(local)]).astype(np.int32))
+    first_reader = {}
+    for process, (row_shard, *words) in enumerate(np.asarray(rows).reshape(-1, 3).tolist()):
+        reader, seen = first_reader.setdefault(row_shard, (process, words))
+        if seen != words:
+            raise ConfigError(f"processes {reader} and {process} read different records for the same batch rows "
+                              f"(data shard {row_shard}) from {where}: every process must see the same dataset "
+                              f"(a node-local copy that differs?); give all nodes identical data")
 
 
 def to_global(local: dict, sharding, global_batch: int) -> dict:
@@ -147,10 +187,15 @@ class GrainData:
         self.config, self.sharding = config, sharding
         self.global_batch = config.train.global_batch_size
         self.source = make_source(config, config.data.train)
-        shard, shards = process_shard(sharding, self.global_batch)
+        self.shard, shards = process_shard(sharding, self.global_batch)
         dataset = grain.MapDataset.source(self.source).shuffle(seed=config.train.seed + SHUFFLE_SALT).repeat()
-        self.batches = dataset[shard::shards].batch(self.global_batch // shards).map(_batch_fn(config))
+        self.batches = dataset[self.shard::shards].batch(self.global_batch // shards).map(_batch_fn(config))
         self.position, self.iterator = 0, None
+
+    def check_agreement(self) -> None:
+        """Before the first step (after a resume's set_state): the processes of each data shard are about
+        to read the same batch (check_shards_agree)."""
+        check_shards_agree(self.batches[self.position], self.shard, self.config.data.train)
 
     def _open(self) -> Iterator[dict]:
         """With data.workers, grain slices the batched MapDataset (the shuffle, the batching, the
@@ -208,9 +253,13 @@ class EvalData:
             raise ConfigError(f"{where} holds {len(self.source)} held-out examples, fewer than one global batch of "
                               f"{self.global_batch}; add held-out data or lower the batch size")
         self.batches = min(available, config.eval.batches or available)
-        shard, shards = process_shard(sharding, self.global_batch)
+        self.shard, shards = process_shard(sharding, self.global_batch)
         dataset = grain.MapDataset.source(self.source)[:self.batches * self.global_batch]
-        self.dataset = dataset[shard::shards].batch(self.global_batch // shards).map(_batch_fn(config, True))
+        self.dataset = dataset[self.shard::shards].batch(self.global_batch // shards).map(_batch_fn(config, True))
+
+    def check_agreement(self) -> None:
+        """The processes of each data shard read the same held-out batches (check_shards_agree)."""
+        check_shards_agree(self.dataset[0], self.shard, self.config.data.eval or f"{self.config.data.train} (held out)")
 
     def __iter__(self) -> Iterator[dict]:
         for local in self.dataset.to_iter_dataset(read_options(self.config)):

@@ -51,6 +51,9 @@ class SyntheticData:
         return {k: jax.make_array_from_callback(v.shape, self.sharding, lambda idx, v=v: v[idx])
                 for k, v in self.host_batch(step).items()}
 
+    def check_agreement(self) -> None:
+        """Nothing to compare across processes: a batch is a function of (seed, step) in this code."""
+
     def next_batch(self) -> dict:
         batch = self.batch(self.step)
         self.step += 1

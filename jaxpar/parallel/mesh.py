@@ -4,8 +4,11 @@ Axis order is (dp, pp, tp): tp is the fastest-varying axis, so on GPUs the tp gr
 neighbouring devices inside one NVLink node (Megatron's "TP inside a node" rule), pp next, dp outermost.
 With several processes (one per node) the grid comes from `mesh_utils.create_hybrid_device_mesh`,
 processes as the slow-network granules: each axis is split into a part inside a process and a part
-across processes, filled innermost-first (tp, then pp, then dp), so a tp group stays inside one node
-whenever tp divides a node's devices and dp is the axis that crosses nodes. This does not depend on
+across processes, filled innermost-first (tp, then cp, then pp, then dp), so a tp group stays inside one
+node whenever tp divides a node's devices and dp is the axis that crosses nodes. Context parallelism may
+cross nodes too (cp x tp beyond a node, as a million-token sequence needs): its ring's sends, all-gathers
+or all-to-alls then go over the network, and the processes of a cp group read the same sequences, which
+jaxpar.data.pipeline checks before the first step. This does not depend on
 the order `jax.devices()` lists devices in. On one process `jax.make_mesh` orders the devices (on
 GPUs by their global id; on CPUs as listed).
 
@@ -113,10 +116,6 @@ class Layout:
                 f"devices; on several processes the mesh must use every device: set mesh.dp/pp/tp to multiply "
                 f"to {len(devices)} or launch fewer processes")
         inside, across = split_over_processes(self.shape, len(devices) // len(processes))
-        if self.cp > 1 and across[2] > 1:  # each process reads whole sequences (jaxpar.data.pipeline)
-            raise ConfigError(f"mesh.cp={self.cp} x mesh.tp={self.tp} is more than a process's "
-                              f"{len(devices) // len(processes)} devices: context parallelism across processes is "
-                              f"not built yet; lower mesh.cp or mesh.tp")
         tp_parts = 2 if self.tp_split > 1 else 1
         if math.prod(across[-tp_parts:]) > 1 and jax.process_index() == 0:
             print(f"note: tp={self.tp} is larger than a process's {len(devices) // len(processes)} devices or does "

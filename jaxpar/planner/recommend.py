@@ -10,8 +10,10 @@ into 2 cp chunks).
 
 Context parallelism (mesh.cp) multiplies the search (every split of the devices now has a third
 factor), so cp > 1 is pruned where it cannot win or cannot run:
-- cp x tp inside one node (`gpus_per_node`): cp across processes is refused at start
-  (jaxpar.parallel.mesh), and the planner would price its per-layer K / V traffic over the NICs.
+- cp may cross nodes (its group spans processes: jaxpar.parallel.mesh puts tp, then cp, inside a node);
+  the planner prices its per-layer traffic at the link the group uses (NVLink inside a node, the NICs
+  across), so cp x tp beyond a node ranks below a layout that needs no cross-node K / V traffic unless
+  nothing else fits (llama7b at 1,048,576 tokens on 64 GPUs).
 - All three strategies: all_gather keeps the whole sequence's K / V on each rank (where a policy keeps
   the gathered tensors) and moves fewer bytes in the backward; the ring keeps none, and sends its
   dK / dV in fp32 (planner/memory.py, cost.py), so the ring wins where the gathered K / V do not fit.
@@ -83,19 +85,12 @@ def _vision_tps(config: Config, tp: int) -> list[int]:
     return sorted({k for k in divisors(tp) if k >= min(config.vision.tp, tp)}, key=lambda k: (k != config.vision.tp, k))
 
 
-def _context_ways(devices: int, tp: int, gpus_per_node: int) -> list[int]:
-    """cp for `devices` = dp x cp: its divisors with cp x tp inside one node (context parallelism
-    across processes is refused at start: jaxpar.parallel.mesh)."""
-    return [cp for cp in divisors(devices) if cp == 1 or cp * tp <= gpus_per_node]
-
-
-def candidates(config: Config, gpus: int, gpus_per_node: int | None = None) -> Iterator[Config]:
-    """Every layout of `gpus` devices that jaxpar.config.validate accepts, cp pruned as the module
-    says (`gpus_per_node`: the node that cp x tp must fit in; default all the GPUs)."""
-    batch, node = config.train.global_batch_size, gpus_per_node or gpus
+def candidates(config: Config, gpus: int) -> Iterator[Config]:
+    """Every layout of `gpus` devices that jaxpar.config.validate accepts, cp pruned as the module says."""
+    batch = config.train.global_batch_size
     for tp in divisors(gpus):
         for pp in divisors(gpus // tp):
-            for cp in _context_ways(gpus // tp // pp, tp, node):
+            for cp in divisors(gpus // tp // pp):
                 dp = gpus // tp // pp // cp
                 if batch % dp:
                     continue
@@ -192,7 +187,7 @@ def recommend(config: Config, gpus: int, gpus_per_node: int, hw: Hardware, top: 
     if gpus % gpus_per_node:
         raise ConfigError(f"--gpus={gpus} is not a whole number of {gpus_per_node}-GPU nodes")
     results = [evaluate(c, hw, gpus_per_node, time_unfit=False, target=target)
-               for c in candidates(config, gpus, gpus_per_node)]
+               for c in candidates(config, gpus)]
     if not results:
         raise ConfigError(f"no valid (dp, pp, cp, tp) layout of {gpus} GPUs for this model and global batch "
                           f"{config.train.global_batch_size}; change --gpus or train.global_batch_size")
