@@ -34,7 +34,11 @@ Backward ring: at step s a rank holds the K / V block of rank (r - s) and the ru
 block; it adds its queries' share and passes both on. After the last step one more send takes each
 dK / dV home: cp sends of dK / dV, cp - 1 of K / V. The next block's K / V send is issued before this
 block's kernels (a GPU overlaps them); on XLA:CPU every send is ordered after the one before
-(jaxpar.layers.order). The prefix-LM's bidirectional prefix is not a block kind: jaxpar.layers.attention
+(jaxpar.layers.order). On every backend each block's backward kernel waits for the previous block's
+gradients to be added (the running dq inside the kernel's branch; dK / dV through a dependency on the
+small log-sum-exp), one step behind the sends: left free, XLA's GPU scheduler ran all of a layer's block
+kernels first and kept every block's fp32 dq and dK until the adds at the end (llama7b at 131,072 tokens,
+cp 8: 1.6 GiB of the ring's peak, 2.7 GiB of all_gather's; BENCHMARKS.md). The prefix-LM's bidirectional prefix is not a block kind: jaxpar.layers.attention
 adds it beside these (the prefix's keys, no mask).
 """
 
@@ -47,7 +51,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers import blockwise, cudnn
-from jaxpar.layers.order import after, chain
+from jaxpar.layers.order import after, after_on_every_backend, chain
 
 OWN, EARLIER, LATER = 0, 1, 2  # a block's relation to this rank's (module docstring)
 _NOTHING_SEEN = -1e30  # the log-sum-exp of a query that sees no key of a block: no weight in the merge
@@ -107,25 +111,30 @@ class _Blocks:
             return (own, earlier, later)[kind](q, k, v)
         return jax.lax.cond(kind == EARLIER, earlier, later, q, k, v)
 
-    def backward(self, kind, q, k, v, out, lse, d_out):
-        """(dq, dk, dv), fp32, of this rank's queries' share of one block, given the merged out and lse."""
+    def backward(self, kind, q, k, v, out, lse, d_out, dq):
+        """(dq plus this block's share of it, dk, dv), fp32: the gradients of this rank's queries against one
+        block, given the merged out and lse. The running dq is added inside the branch, so each block's dq
+        is dead after its step: added outside, nothing orders the adds before the next block's kernel, and
+        XLA's GPU scheduler ran every block's kernel first and kept each block's fp32 dq (and dK) until the
+        adds after the last one. The callers order dK / dV likewise (_ring_bwd, _gathered_bwd)."""
         h, grads = self.half, self.backward_kernel
         f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)  # noqa: E731
 
-        def own(q, k, v, out, lse, d_out):
-            return f32(*grads(q, k, v, True, out, lse, d_out))
+        def own(q, k, v, out, lse, d_out, dq):
+            dq_b, dk, dv = f32(*grads(q, k, v, True, out, lse, d_out))
+            return dq + dq_b, dk, dv
 
-        def earlier(q, k, v, out, lse, d_out):
-            dq, dk, dv = f32(*grads(q, k[:, :h], v[:, :h], False, out, lse, d_out))
-            return dq, _pad(dk, h, 1, False), _pad(dv, h, 1, False)
+        def earlier(q, k, v, out, lse, d_out, dq):
+            dq_b, dk, dv = f32(*grads(q, k[:, :h], v[:, :h], False, out, lse, d_out))
+            return dq + dq_b, _pad(dk, h, 1, False), _pad(dv, h, 1, False)
 
-        def later(q, k, v, out, lse, d_out):
-            dq, dk, dv = f32(*grads(q[:, h:], k, v, False, out[:, h:], lse[:, :, h:], d_out[:, h:]))
-            return _pad(dq, h, 1, True), dk, dv
+        def later(q, k, v, out, lse, d_out, dq):
+            dq_b, dk, dv = f32(*grads(q[:, h:], k, v, False, out[:, h:], lse[:, :, h:], d_out[:, h:]))
+            return dq + _pad(dq_b, h, 1, True), dk, dv
 
         if isinstance(kind, int):
-            return (own, earlier, later)[kind](q, k, v, out, lse, d_out)
-        return jax.lax.cond(kind == EARLIER, earlier, later, q, k, v, out, lse, d_out)
+            return (own, earlier, later)[kind](q, k, v, out, lse, d_out, dq)
+        return jax.lax.cond(kind == EARLIER, earlier, later, q, k, v, out, lse, d_out, dq)
 
 
 def _merge(acc, block):
@@ -192,13 +201,17 @@ def _ring_bwd(axis, kernel, residuals, d_out):
     ring, blocks = _Ring(axis), _Blocks(kernel, q.shape[1])
     kv = (k, v)
     dq, dkv = jnp.zeros(q.shape, jnp.float32), tuple(jnp.zeros(x.shape, jnp.float32) for x in kv)
+    summed = None  # the previous block's dK / dV added to the travelling ones (before their send)
     for step in range(ring.ways):
         # after the last dK / dV send (the first: after d_out, i.e. the backward's collectives before it)
         following = ring.send(after(kv, dkv, d_out)) if step < ring.ways - 1 else None
-        dq_b, dk_b, dv_b = blocks.backward(ring.kind(step), q, *kv, out, lse, d_out)
-        dq = dq + dq_b
-        dkv = (dkv[0] + dk_b, dkv[1] + dv_b)
-        dkv = ring.send(dkv if following is None else after(dkv, following))  # on to the block's next rank; last: home
+        # The block's kernel waits for the previous block's dK / dV to be added (on GPUs too, through the small
+        # lse): otherwise XLA's GPU scheduler runs every block's kernel first and keeps each block's fp32 dK
+        # until the adds at the end. One step behind the sends, so a send still hides under the next kernel.
+        stats = lse if summed is None else after_on_every_backend(lse, summed)
+        dq, dk_b, dv_b = blocks.backward(ring.kind(step), q, *kv, out, stats, d_out, dq)
+        summed = (dkv[0] + dk_b, dkv[1] + dv_b)
+        dkv = ring.send(summed if following is None else after(summed, following))  # on to the next rank; last: home
         kv = following
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
@@ -241,8 +254,8 @@ def _gathered_bwd(axis, kernel, residuals, d_out):
     dk_all, dv_all = jnp.zeros_like(k_all), jnp.zeros_like(v_all)
     for step in range(ring.ways):  # each block once: its gradient written in place
         k, v = (_block_of(x, ring, step, local) for x in (k_all, v_all))
-        dq_b, dk, dv = blocks.backward(ring.kind(step), q, k, v, out, lse, d_out)
-        dq = dq + dq_b
+        stats = lse if step == 0 else after_on_every_backend(lse, (dk_all, dv_all))  # as the ring's (_ring_bwd)
+        dq, dk, dv = blocks.backward(ring.kind(step), q, k, v, out, stats, d_out, dq)
         at = ((ring.rank - step) % ring.ways) * local
         dk_all = jax.lax.dynamic_update_slice_in_dim(dk_all, dk.astype(k_all.dtype), at, axis=1)
         dv_all = jax.lax.dynamic_update_slice_in_dim(dv_all, dv.astype(v_all.dtype), at, axis=1)
