@@ -134,8 +134,7 @@ def ring_blocks(kernel: str, q, k, v, g, prefix_len: int) -> tuple:
         g_causal = jnp.where(in_prefix, 0, take(g, r))
         dq = jnp.zeros(take(q, r).shape, jnp.float32)
         for source, kind in sources:
-            dq_b, dk_b, dv_b = blocks.backward(kind, take(q, r), take(k, source), take(v, source), out, lse, g_causal)
-            dq = dq + dq_b
+            dq, dk_b, dv_b = blocks.backward(kind, take(q, r), take(k, source), take(v, source), out, lse, g_causal, dq)
             dks[source] = dks[source] + dk_b
             dvs[source] = dvs[source] + dv_b
         if prefix_len:

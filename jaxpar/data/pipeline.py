@@ -11,8 +11,9 @@ Processes of one data shard each hand JAX their own copy of its rows, and JAX co
 group that spans nodes (each rank slices its tokens of the whole sequences on the device,
 jaxpar.parallel.step.context_shard), or a tp / pp group that does, trains on a mix of two batches if
 the nodes' copies of data.train differ. So before the first step every process fingerprints the batch
-it is about to read and the fingerprints are compared (`check_shards_agree`): a mismatch is one line
-on every process, before any work. Whole sequences are read per process on purpose (as Megatron
+it is about to read, with the number of records it reads from, and the fingerprints are compared
+(`check_shards_agree`): a mismatch is one line on every process, before any work. It is a cheap check,
+not a proof: copies of the same length that differ only in records outside that batch pass it. Whole sequences are read per process on purpose (as Megatron
 gives every cp rank the whole batch and slices it): token ids are 12 bytes a token with the targets
 and the mask, 12 MB for a 1,048,576-token sequence, against the gigabytes of a layer's activations.
 
@@ -65,15 +66,17 @@ def fingerprint(local: dict) -> np.ndarray:
     return np.frombuffer(digest.digest(), np.int32)
 
 
-def check_shards_agree(local: dict, shard: int, where: str) -> None:
+def check_shards_agree(local: dict, records: int, shard: int, where: str) -> None:
     """Every process of the run: the processes that read the same data shard read the same `local`
-    batch (see the module docstring), or a one-line ConfigError on all of them."""
+    batch from the same number of `records` (see the module docstring), or a one-line ConfigError on
+    all of them."""
     if jax.process_count() == 1:
         return
     from jaxpar.parallel.processes import meet
 
     meet("the data check")  # processes reach their first batch at their own speeds (not named by `where`: it may differ)
-    rows = multihost_utils.process_allgather(np.concatenate([[shard], fingerprint(local)]).astype(np.int32))
+    digest = fingerprint({**local, "records": np.asarray(records, np.int64)})
+    rows = multihost_utils.process_allgather(np.concatenate([[shard], digest]).astype(np.int32))
     first_reader = {}
     for process, (row_shard, *words) in enumerate(np.asarray(rows).reshape(-1, 3).tolist()):
         reader, seen = first_reader.setdefault(row_shard, (process, words))
@@ -195,7 +198,7 @@ class GrainData:
     def check_agreement(self) -> None:
         """Before the first step (after a resume's set_state): the processes of each data shard are about
         to read the same batch (check_shards_agree)."""
-        check_shards_agree(self.batches[self.position], self.shard, self.config.data.train)
+        check_shards_agree(self.batches[self.position], len(self.source), self.shard, self.config.data.train)
 
     def _open(self) -> Iterator[dict]:
         """With data.workers, grain slices the batched MapDataset (the shuffle, the batching, the
@@ -258,8 +261,10 @@ class EvalData:
         self.dataset = dataset[self.shard::shards].batch(self.global_batch // shards).map(_batch_fn(config, True))
 
     def check_agreement(self) -> None:
-        """The processes of each data shard read the same held-out batches (check_shards_agree)."""
-        check_shards_agree(self.dataset[0], self.shard, self.config.data.eval or f"{self.config.data.train} (held out)")
+        """The processes of each data shard read the same first held-out batch from as many records
+        (check_shards_agree)."""
+        check_shards_agree(self.dataset[0], len(self.source), self.shard,
+                           self.config.data.eval or f"{self.config.data.train} (held out)")
 
     def __iter__(self) -> Iterator[dict]:
         for local in self.dataset.to_iter_dataset(read_options(self.config)):

@@ -28,7 +28,8 @@ expands barriers away before scheduling. So jaxpar orders every pair with a real
 
 All three are the identity off the CPU backend: NCCL runs each device's collectives on ordered
 streams, and a dependency there would only serialise communication behind compute. The one exception
-is `after_on_every_backend`, for two collectives XLA's GPU combiners would otherwise merge into one. The backend is
+is `after_on_every_backend`, for two collectives XLA's GPU combiners would otherwise merge into one, or an order
+that keeps memory down (jaxpar.layers.ring). The backend is
 the one the step is traced for (`jax.default_backend()`, or `ordering(True/False)` where a program is
 compiled for another platform than the one running, as the GPU dry run does).
 jaxpar/compiler/hlo_order.py finds the pairs left unordered in a compiled program; tests/test_collective_order.py
@@ -167,9 +168,12 @@ def after(x: Any, *dependencies: Any) -> Any:
 
 
 def after_on_every_backend(x: Any, *dependencies: Any) -> Any:
-    """`after`, on GPUs too: for two collectives XLA must keep apart. Its collective combiners merge
+    """`after`, on GPUs too: for two collectives XLA must keep apart (its collective combiners merge
     independent collectives over the same devices into one, which then waits for the last of them: a
-    pipeline's early gradient reductions would all run after its last tick, with nothing to overlap."""
+    pipeline's early gradient reductions would all run after its last tick, with nothing to overlap), or
+    for memory: context parallelism's block backward waits for the previous block's gradients to be
+    added, where XLA's GPU scheduler would run every block first and keep all their gradients
+    (jaxpar.layers.ring)."""
     with ordering(True):
         return after(x, *dependencies)
 

@@ -5,7 +5,7 @@ neighbouring devices inside one NVLink node (Megatron's "TP inside a node" rule)
 With several processes (one per node) the grid comes from `mesh_utils.create_hybrid_device_mesh`,
 processes as the slow-network granules: each axis is split into a part inside a process and a part
 across processes, filled innermost-first (tp, then cp, then pp, then dp), so a tp group stays inside one
-node whenever tp divides a node's devices and dp is the axis that crosses nodes. Context parallelism may
+node whenever tp divides a node's devices and dp is the axis that crosses nodes first. Context parallelism may
 cross nodes too (cp x tp beyond a node, as a million-token sequence needs): its ring's sends, all-gathers
 or all-to-alls then go over the network, and the processes of a cp group read the same sequences, which
 jaxpar.data.pipeline checks before the first step. This does not depend on

@@ -9,7 +9,7 @@ refuses (e.g. ZeRO-3 with a pipeline, tp not dividing the heads, a sequence that
 into 2 cp chunks).
 
 Context parallelism (mesh.cp) multiplies the search (every split of the devices now has a third
-factor), so cp > 1 is pruned where it cannot win or cannot run:
+factor), so cp > 1 is searched as follows:
 - cp may cross nodes (its group spans processes: jaxpar.parallel.mesh puts tp, then cp, inside a node);
   the planner prices its per-layer traffic at the link the group uses (NVLink inside a node, the NICs
   across), so cp x tp beyond a node ranks below a layout that needs no cross-node K / V traffic unless
@@ -21,10 +21,11 @@ factor), so cp > 1 is pruned where it cannot win or cannot run:
   device's kernel on 1/cp of the heads.
 - Only the smallest microbatch the search tries for that mesh (one sequence with a pipeline):
   cp cuts a microbatch's tokens, as splitting it into more microbatches (or more dp) does without
-  the K / V traffic, so cp is the next step after the batch cannot be split further. Without this
-  rule vla70b's 64-GPU search held 1,652 layouts, not 1,184 (872 without cp; counted before the
-  offload choices below, which bring the 1,184 to 1,510); with the schedule tables cached
-  (jaxpar.parallel.schedule.build) the 1,510 take about 6 s.
+  the K / V traffic, so cp is the next step after the batch cannot be split further. vla70b's
+  64-GPU search holds 2,980 valid layouts with this rule and 5,905 without it (2,314 while cp stayed
+  inside a node, before 2026-12-06); with the schedule tables cached (jaxpar.parallel.schedule.build)
+  the 2,980 take about 5 s (`python -m jaxpar.plan --config configs/vla70b.py --gpu a100-80gb
+  --recommend --gpus 64`).
 So cp is picked where sequences are long (activations bind; e.g. llama7b at 917,504 tokens on 8
 A100-80GB fits only with cp) and not at the configs' short defaults, where it only adds traffic.
 The search times only the layouts that fit (their peak decides which are ranked).
