@@ -67,14 +67,12 @@ def fingerprint(local: dict) -> np.ndarray:
 
 
 def check_shards_agree(local: dict, records: int, shard: int, where: str) -> None:
-    """Every process of the run: the processes that read the same data shard read the same `local`
-    batch from the same number of `records` (see the module docstring), or a one-line ConfigError on
-    all of them."""
+    """Every process of the run, after meeting the others (jaxpar.parallel.processes.meet): the processes
+    that read the same data shard read the same `local` batch from the same number of `records` (see the
+    module docstring), or a one-line ConfigError on all of them."""
     if jax.process_count() == 1:
         return
-    from jaxpar.parallel.processes import meet
-
-    meet("the data check")  # processes reach their first batch at their own speeds (not named by `where`: it may differ)
+    # (the caller has met the other processes first: they reach their first batch at their own speeds)
     digest = fingerprint({**local, "records": np.asarray(records, np.int64)})
     rows = multihost_utils.process_allgather(np.concatenate([[shard], digest]).astype(np.int32))
     first_reader = {}

@@ -114,7 +114,8 @@ def train(config: Config, mesh, workdir: pathlib.Path, show_progress: bool = Tru
         state, start, data_state = _initial_state(builder, checkpoints)
         if data_state is not None:
             data.set_state(data_state)
-        data.check_agreement()  # the processes of a data shard read the same rows (jaxpar.data.pipeline)
+        meet("the data check")  # then the processes of a data shard check they read the same rows (jaxpar.data.pipeline)
+        data.check_agreement()
         meet("the first training step")  # each process initialised at its own speed (jaxpar.parallel.processes)
         progress = tqdm(total=config.train.steps, initial=start, disable=not (is_main and show_progress),
                         unit="step", desc=f"compiled in {compile_s:.1f}s; training")
@@ -286,6 +287,7 @@ class Evaluation:
         self.config, self.logger = config, logger
         self.data = eval_data(config, builder.batch_sharding())
         if self.data is not None:
+            meet("the held-out data check")
             self.data.check_agreement()
         self.step_fn = (CompiledTogether(Evaluator(builder).jit_eval_step(), "the first evaluation step")
                         if self.data is not None else None)
