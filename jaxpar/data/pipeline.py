@@ -13,9 +13,10 @@ jaxpar.parallel.step.context_shard), or a tp / pp group that does, trains on a m
 the nodes' copies of data.train differ. So before the first step every process fingerprints the batch
 it is about to read, with the number of records it reads from, and the fingerprints are compared
 (`check_shards_agree`): a mismatch is one line on every process, before any work. It is a cheap check,
-not a proof: copies of the same length that differ only in records outside that batch pass it. Whole sequences are read per process on purpose (as Megatron
-gives every cp rank the whole batch and slices it): token ids are 12 bytes a token with the targets
-and the mask, 12 MB for a 1,048,576-token sequence, against the gigabytes of a layer's activations.
+not a proof: copies of the same length that differ only in records outside that batch pass it. Whole
+sequences are read per process on purpose (as Megatron gives every cp rank the whole batch and slices
+it): token ids are 12 bytes a token with the targets and the mask, 12 MB for a 1,048,576-token
+sequence, against the gigabytes of a layer's activations.
 
 The training iterator's grain state ({"next_index": steps consumed}, the same on every process by
 construction) goes into each checkpoint and is restored on resume, so resume sees exactly the data
