@@ -38,8 +38,8 @@ block's kernels (a GPU overlaps them); on XLA:CPU every send is ordered after th
 gradients to be added (the running dq inside the kernel's branch; dK / dV through a dependency on the
 small log-sum-exp), one step behind the sends: left free, XLA's GPU scheduler ran all of a layer's block
 kernels first and kept every block's fp32 dq and dK until the adds at the end (llama7b at 131,072 tokens,
-cp 8: 1.6 GiB of the ring's peak, 2.7 GiB of all_gather's; BENCHMARKS.md). The prefix-LM's bidirectional prefix is not a block kind: jaxpar.layers.attention
-adds it beside these (the prefix's keys, no mask).
+cp 8: 1.6 GiB of the ring's peak, 2.7 GiB of all_gather's; BENCHMARKS.md). The prefix-LM's bidirectional
+prefix is not a block kind: jaxpar.layers.attention adds it beside these (the prefix's keys, no mask).
 """
 
 from __future__ import annotations
@@ -114,9 +114,7 @@ class _Blocks:
     def backward(self, kind, q, k, v, out, lse, d_out, dq):
         """(dq plus this block's share of it, dk, dv), fp32: the gradients of this rank's queries against one
         block, given the merged out and lse. The running dq is added inside the branch, so each block's dq
-        is dead after its step: added outside, nothing orders the adds before the next block's kernel, and
-        XLA's GPU scheduler ran every block's kernel first and kept each block's fp32 dq (and dK) until the
-        adds after the last one. The callers order dK / dV likewise (_ring_bwd, _gathered_bwd)."""
+        is dead after its step (module docstring); the callers order dK / dV through `lse`."""
         h, grads = self.half, self.backward_kernel
         f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)  # noqa: E731
 
@@ -205,9 +203,7 @@ def _ring_bwd(axis, kernel, residuals, d_out):
     for step in range(ring.ways):
         # after the last dK / dV send (the first: after d_out, i.e. the backward's collectives before it)
         following = ring.send(after(kv, dkv, d_out)) if step < ring.ways - 1 else None
-        # The block's kernel waits for the previous block's dK / dV to be added (on GPUs too, through the small
-        # lse): otherwise XLA's GPU scheduler runs every block's kernel first and keeps each block's fp32 dK
-        # until the adds at the end. One step behind the sends, so a send still hides under the next kernel.
+        # after the previous block's dK / dV are added, one step behind the sends (module docstring)
         stats = lse if summed is None else after_on_every_backend(lse, summed)
         dq, dk_b, dv_b = blocks.backward(ring.kind(step), q, *kv, out, stats, d_out, dq)
         summed = (dkv[0] + dk_b, dkv[1] + dv_b)
