@@ -275,6 +275,18 @@ def head_working_set(config: Config, blk: Block, t: int, c: int) -> float:
     return 2 * 4 * t * vocab + 4 * t * config.model.d_model + gathered
 
 
+def logits_cotangent_kept(config: Config, blk: Block, t: int) -> float:
+    """The loss's fp32 logits cotangent [t, V/tp], live through the layers' backward on a GPU without a
+    pipeline: XLA's GPU schedule computes the head's input gradient before the layer scan's backward and its
+    weight gradient (h^T d_logits) after it, so d_logits waits there (llama7b's GPU program, at 4,096 and at
+    131,072 tokens under cp: `input_scatter_fusion` at the peak; docs/planner.md "Fit to the GPU compiler").
+    XLA:CPU orders the weight gradient first (jaxpar.layers.order's use_weights); with a pipeline the head
+    runs inside the last stage's tick."""
+    if not blk.gpu or config.mesh.pp > 1:
+        return 0.0
+    return 4 * t * config.model.vocab_size / config.mesh.tp
+
+
 # ----------------------------------------------------------------------------- the estimate
 
 
@@ -359,7 +371,9 @@ def _activations(config: Config, c: int, target: str) -> dict:
         # halves' saved activations (docs/design.md, "Gradient accumulation scans every microbatch")
         saved *= 2
     host_saved = live_mb * layers * host
-    work = max(layer_working_set(policy, blk, b, s, c), head_working_set(config, blk, b * head_positions(config), c))
+    head_tokens = b * head_positions(config)
+    layer_work = layer_working_set(policy, blk, b, s, c) + logits_cotangent_kept(config, blk, head_tokens)
+    work = max(layer_work, head_working_set(config, blk, head_tokens, c))
     out = {"saved": saved, "saved_host": host_saved, "pipeline_buffers": ring, "working_set": work,
            "cpu_f32_twins": 0.0}
     if target == "cpu":  # the host bytes count, and bf16 residual stacks get an f32 twin
@@ -438,8 +452,11 @@ def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dic
     llm = counts["llm_layers"] + counts["llm_rest"]
     plan = ZeroPlan(z, dp, pp > 1, config.remat.policy, config.zero.prefetch, config.train.grad_accum)
     # reduce-scattered layer by layer in the backward (ZeRO 1-2's taps: grad_reduce's dtype; ZeRO-3's gathers)
-    scatter = dp if (plan.taps_grads or (z >= 3 and dp > 1)) and pp == 1 else 1
-    tapped = grad_bytes(config) if plan.taps_grads else c
+    gathers = z >= 3 and dp > 1
+    scatter = dp if (plan.taps_grads or gathers) and pp == 1 else 1
+    # ZeRO-3's gathers widen the cotangent to grad_reduce's dtype before their reduce-scatter, and the
+    # layer scan stacks the reduced shards so (jaxpar.parallel.zero: the gradient sinks)
+    tapped = grad_bytes(config) if plan.taps_grads or gathers else c
     if pp > 1:  # fp32 accumulators over microbatches + the gradients of the chunk one tick runs (the
         # whole stage with v = 1; with interleaving a tick differentiates 1/v of the stage's layers)
         backward = 4 * llm + c * counts["llm_layers"] / config.pipeline.virtual_stages
@@ -455,7 +472,8 @@ def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dic
     dv = vision_data_ways(config) if config.model.kind == "vla" else 1
     backward += c * counts["vision"] / (dv if config.vision.zero.stage >= 2 else 1)
     if plan.prefetches:  # one more layer's gathered weights and one more full layer gradient in flight
-        backward += 2 * c * counts["llm_layers"] / (config.model.n_layers // pp)
+        # (the gradient widened to grad_reduce's dtype for its reduce-scatter)
+        backward += (c + grad_bytes(config)) * counts["llm_layers"] / (config.model.n_layers // pp)
     # the reduced gradients: ZeRO 1-2 leave their sums in grad_reduce's dtype, in the optimizer's shard
     reduced = c * llm if z == 0 or dp == 1 else (grad_bytes(config) if z <= 2 else c) * llm / dp
     return {"backward": backward, "reduced": reduced}
