@@ -535,7 +535,8 @@ class StepBuilder:
                                           for k, v in state.params.items()})
         loss, grads, grad_norm = self.loss_and_grads(state.params, batch)
         # Each dp rank's gradient shard is the part it updates (the optimizer's layout); fp32 already unless
-        # grad_reduce=bf16 or ZeRO-3 (its gather's transpose gives the weight's dtype) or ZeRO-0 taps.
+        # grad_reduce=bf16 or ZeRO-0 taps (ZeRO-3's gathers reduce-scatter in grad_reduce's dtype, and JAX keeps
+        # their custom_vjp's wider cotangent: jaxpar.parallel.zero).
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         if self.config.debug.nan_at_step:  # test hook for the NaN guard
             poison = jnp.where(state.step + 1 == self.config.debug.nan_at_step, jnp.nan, 0.0)
