@@ -452,11 +452,10 @@ def _gradients(config: Config, counts: dict, c: int, target: str = "cpu") -> dic
     llm = counts["llm_layers"] + counts["llm_rest"]
     plan = ZeroPlan(z, dp, pp > 1, config.remat.policy, config.zero.prefetch, config.train.grad_accum)
     # reduce-scattered layer by layer in the backward (ZeRO 1-2's taps: grad_reduce's dtype; ZeRO-3's gathers)
-    gathers = z >= 3 and dp > 1
-    scatter = dp if (plan.taps_grads or gathers) and pp == 1 else 1
+    scatter = dp if (plan.taps_grads or plan.gathers_weights) and pp == 1 else 1
     # ZeRO-3's gathers widen the cotangent to grad_reduce's dtype before their reduce-scatter, and the
     # layer scan stacks the reduced shards so (jaxpar.parallel.zero: the gradient sinks)
-    tapped = grad_bytes(config) if plan.taps_grads or gathers else c
+    tapped = grad_bytes(config) if plan.taps_grads or plan.gathers_weights else c
     if pp > 1:  # fp32 accumulators over microbatches + the gradients of the chunk one tick runs (the
         # whole stage with v = 1; with interleaving a tick differentiates 1/v of the stage's layers)
         backward = 4 * llm + c * counts["llm_layers"] / config.pipeline.virtual_stages
