@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
+	bash scripts/ensure_egl.sh
 	touch $(STAMP)
 
 ## Train configs/llama_tiny.py on a CPU-emulated 8-device mesh (dp=2, tp=4, ZeRO-1).

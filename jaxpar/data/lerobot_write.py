@@ -153,12 +153,18 @@ def action_names(dims: int) -> list[str]:
     return ["move_row", "move_col"] + [f"unused_{i}" for i in range(2, dims - 1)] + ["gripper"]
 
 
-def make_features(cameras: int, video_size: int, dims: int) -> dict:
-    """info.json's features, before the video info blocks: cameras, state, action, then lerobot's defaults."""
-    features = {camera_key(k): {"dtype": "video", "shape": [video_size, video_size, 3],
-                                "names": ["height", "width", "channels"]} for k in range(cameras)}
-    features[STATE] = {"dtype": "float32", "shape": [2], "names": ["effector_row", "effector_col"]}
-    features[ACTION] = {"dtype": "float32", "shape": [dims], "names": action_names(dims)}
+GRID_STATE_NAMES = ["effector_row", "effector_col"]
+
+
+def make_features(cameras: int, video_size: int, dims: int, state_names: list[str] = GRID_STATE_NAMES,
+                  names_of_actions: list[str] | None = None, camera_keys: list[str] | None = None) -> dict:
+    """info.json's features, before the video info blocks: cameras, state, action, then lerobot's defaults.
+    The names and camera keys default to the grid task's (action_names, camera_key)."""
+    keys = camera_keys or [camera_key(k) for k in range(cameras)]
+    features = {key: {"dtype": "video", "shape": [video_size, video_size, 3],
+                      "names": ["height", "width", "channels"]} for key in keys}
+    features[STATE] = {"dtype": "float32", "shape": [len(state_names)], "names": list(state_names)}
+    features[ACTION] = {"dtype": "float32", "shape": [dims], "names": names_of_actions or action_names(dims)}
     for key in ("timestamp", "frame_index", "episode_index", "index", "task_index"):
         features[key] = {"dtype": "float32" if key == "timestamp" else "int64", "shape": [1], "names": None}
     return features
@@ -379,11 +385,14 @@ def effector_cells(episode: dict, grid: int) -> np.ndarray:
 
 class SplitWriter:
     """Streams episodes into the data parquet and the camera videos, keeping only what the metadata
-    and stats need (actions, states, per-episode rows, pixel histograms)."""
+    and stats need (actions, states, per-episode rows, pixel histograms). An episode is a dict of
+    images uint8 [T, cameras, H, W, 3], state and actions float [T, n], and its instruction (the task):
+    any simulator's demonstrations (the grid task here, Meta-World in jaxpar.data.metaworld)."""
 
-    def __init__(self, root: pathlib.Path, features: dict, fps: int, codec: str, video_size: int, grid: int):
+    def __init__(self, root: pathlib.Path, features: dict, fps: int, codec: str, video_size: int,
+                 robot_type: str = ROBOT_TYPE):
         _, _, pq = _libs()
-        self.root, self.features, self.fps, self.grid = root, features, fps, grid
+        self.root, self.features, self.fps, self.robot_type = root, features, fps, robot_type
         self.video_keys = [key for key, f in features.items() if f["dtype"] == "video"]
         self.videos = [CameraVideo(root / VIDEO_PATH.format(video_key=key, chunk_index=0, file_index=0), codec, fps,
                                    video_size) for key in self.video_keys]
@@ -401,7 +410,7 @@ class SplitWriter:
         index, length = len(self.rows), len(episode["actions"])
         task = self.tasks.setdefault(episode["instruction"], len(self.tasks))
         frame_index = np.arange(length)
-        columns = {STATE: effector_cells(episode, self.grid).astype(np.float32) / (self.grid - 1),
+        columns = {STATE: np.asarray(episode["state"], np.float32),
                    ACTION: episode["actions"].astype(np.float32),
                    "timestamp": (frame_index / self.fps).astype(np.float32),
                    "frame_index": frame_index, "episode_index": np.full(length, index),
@@ -460,7 +469,7 @@ class SplitWriter:
                 "total_episodes": len(self.rows), "total_frames": self.frames, "total_tasks": len(self.tasks),
                 "chunks_size": CHUNKS_SIZE, "data_files_size_in_mb": max(DATA_FILE_MB, data_mb),
                 "video_files_size_in_mb": max(VIDEO_FILE_MB, video_mb), "data_path": DATA_PATH,
-                "video_path": VIDEO_PATH if self.video_keys else None, "robot_type": ROBOT_TYPE,
+                "video_path": VIDEO_PATH if self.video_keys else None, "robot_type": self.robot_type,
                 "splits": {"train": f"0:{len(self.rows)}"}}
         (self.root / INFO_PATH).write_text(json.dumps(info, indent=4, ensure_ascii=False), encoding="utf-8")
 
@@ -469,6 +478,24 @@ def check_free(directory: pathlib.Path) -> None:
     """A split is written into a new (or empty) directory: never mixed with an older dataset's files."""
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ConfigError(f"{directory} already exists; remove it to write the LeRobot split again")
+
+
+@contextlib.contextmanager
+def staged(directory: pathlib.Path):
+    """Yield a sibling staging directory that is renamed to `directory` when the block completes, so a
+    partial write is never mistaken for data (and removed if the block fails)."""
+    check_free(directory)
+    _libs()
+    staging = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.mkdir(parents=True)
+        yield staging
+        if directory.exists():
+            directory.rmdir()  # empty, checked above
+        staging.rename(directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_lerobot_split(directory: pathlib.Path, episodes: int, seed: int, exclude: set[str] = frozenset(),
@@ -480,27 +507,18 @@ def write_lerobot_split(directory: pathlib.Path, episodes: int, seed: int, exclu
     directory = pathlib.Path(directory)
     generator = iter_split(episodes, seed, exclude, objects, **shape)  # checks the task's shape first
     check_args(episodes, codec, fps, video_size, shape.get("size", 16), shape.get("cameras", 1))
-    check_free(directory)
-    _libs()
-    staging = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        staging.mkdir(parents=True)
+    grid = shape.get("grid", 4)
+    with staged(directory) as staging:
         features = make_features(shape.get("cameras", 1), video_size, shape.get("dims", 7))
-        writer = SplitWriter(staging, features, fps, codec, video_size, shape.get("grid", 4))
+        writer = SplitWriter(staging, features, fps, codec, video_size)
         written, scenes = set(), []
         for key, episode in generator:
-            writer.add(episode)
+            writer.add({**episode, "state": effector_cells(episode, grid).astype(np.float32) / (grid - 1)})
             written.add(key)
             scenes.append(episode["scene"])
         writer.finish()
         write_scenes(staging, scenes)
         (staging / DONE_MARKER).write_text(f"{episodes}\n")
-        if directory.exists():
-            directory.rmdir()  # empty, checked above
-        staging.rename(directory)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return written
 
 

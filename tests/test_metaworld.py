@@ -1,0 +1,114 @@
+"""The Meta-World suite's simulator and its demonstrations as LeRobot v3.0 splits (issue 49 item 3).
+
+The splits are read back with jaxpar's LeRobot reader and pyarrow, and checked against the simulator:
+each episode's recorded seed replays to the same actions and states, and its frames decode to what the
+camera rendered."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from jaxpar.data.instructions import InstructionEncoder
+from jaxpar.data.lerobot import LeRobotSource
+from jaxpar.errors import ConfigError
+from jaxpar.robot import metaworld
+from jaxpar.robot.metaworld_demos import (HELDOUT_SEED_OFFSET, demonstration, read_episode_seeds,
+                                          write_metaworld_split, write_metaworld_splits)
+
+TASKS = ("reach-v3", "push-v3")
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory):
+    out = tmp_path_factory.mktemp("metaworld")
+    experts = write_metaworld_splits(out, train=2, heldout=1, tasks=TASKS, image_size=SIZE, max_steps=150)
+    return out, experts
+
+
+def test_a_seed_is_a_scene():
+    with metaworld.MetaWorldTask("push-v3", SIZE) as sim:
+        sim.reset(3)
+        first = (sim.observation.copy(), sim.frame())
+        sim.reset(4)
+        other = sim.observation.copy()
+        sim.reset(3)
+        np.testing.assert_array_equal(sim.observation, first[0])
+        np.testing.assert_array_equal(sim.frame(), first[1])
+    assert not np.allclose(other[4:7], first[0][4:7])  # the puck moved with the seed
+    assert first[1].shape == (SIZE, SIZE, 3) and first[1].dtype == np.uint8
+
+
+def test_splits_hold_the_experts_episodes(splits):
+    out, experts = splits
+    for split, per_task, first_seed in (("train", 2, 0), ("heldout", 1, HELDOUT_SEED_OFFSET)):
+        records = read_episode_seeds(out / split)
+        assert [r["task"] for r in records] == [t for t in TASKS for _ in range(per_task)]
+        assert all(r["seed"] >= first_seed for r in records)
+        assert set(experts[split]) == set(TASKS)
+        assert all(e["successes"] == per_task for e in experts[split].values())
+        info = json.loads((out / split / "meta" / "info.json").read_text())
+        assert info["total_episodes"] == len(records)
+        assert info["total_frames"] == sum(r["steps"] for r in records)
+        assert info["robot_type"] == "sawyer"
+        assert info["features"]["observation.state"]["names"] == metaworld.STATE_NAMES
+        assert info["features"]["action"]["names"] == metaworld.ACTION_NAMES
+        assert "observation.state" in json.loads((out / split / "meta" / "stats.json").read_text())
+    train_seeds = {(r["task"], r["seed"]) for r in read_episode_seeds(out / "train")}
+    assert not train_seeds & {(r["task"], r["seed"]) for r in read_episode_seeds(out / "heldout")}
+
+
+def test_episodes_replay_from_their_seeds(splits):
+    """The stored actions and states are what the expert does from the recorded seed, and the episode
+    ends on the step that succeeds."""
+    out, _ = splits
+    records = read_episode_seeds(out / "train")
+    table = pq.read_table(next((out / "train" / "data").rglob("*.parquet"))).to_pydict()
+    episode_of = np.asarray(table["episode_index"])
+    for index, record in enumerate(records):
+        with metaworld.MetaWorldTask(record["task"], SIZE) as sim:
+            replay = demonstration(sim, record["seed"], max_steps=150)
+            assert demonstration(sim, record["seed"], max_steps=record["steps"] - 1) is None  # not sooner
+        rows = episode_of == index
+        stored = np.asarray(table["action"])[rows]
+        np.testing.assert_array_equal(stored, replay["actions"])
+        with metaworld.MetaWorldTask(record["task"], SIZE) as sim:  # the stored actions, open loop, succeed
+            sim.reset(record["seed"])
+            assert [sim.step(action) for action in stored][-2:] == [False, True]
+        np.testing.assert_array_equal(np.asarray(table["observation.state"])[rows], replay["state"])
+        assert len(replay["actions"]) == record["steps"]
+
+
+def test_the_reader_gets_frames_instructions_and_actions(splits):
+    out, _ = splits
+    source = LeRobotSource(out / "train", InstructionEncoder(48), SIZE)
+    records = read_episode_seeds(out / "train")
+    assert len(source) == sum(r["steps"] for r in records)
+    with metaworld.MetaWorldTask(records[-1]["task"], SIZE) as sim:
+        replay = demonstration(sim, records[-1]["seed"], max_steps=150)
+    last = len(source) - records[-1]["steps"]
+    for step in (0, records[-1]["steps"] - 1):
+        record = source[last + step]
+        decoded = record["images"][0].astype(np.int32)
+        error = np.abs(decoded - replay["images"][step, 0]).mean()
+        assert error < 8, f"frame {step} decodes {error:.1f} levels from the render"  # AV1 at crf 30
+        np.testing.assert_array_equal(record["actions"], replay["actions"][step])
+    text = bytes(source[last]["instruction"]).rstrip(b"\0").decode()
+    assert text == metaworld.INSTRUCTIONS[records[-1]["task"]]
+
+
+def test_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not in MT10"):
+        write_metaworld_split(tmp_path / "a", tasks=["reach-v2"])
+    with pytest.raises(ConfigError, match="max_steps"):
+        write_metaworld_split(tmp_path / "b", tasks=["reach-v3"], max_steps=501)
+    with pytest.raises(ConfigError, match="succeeded in 0 of 5 episodes within 3 steps"):
+        write_metaworld_split(tmp_path / "c", tasks=["reach-v3"], episodes=1, max_steps=3, image_size=16)
+    assert not (tmp_path / "c").exists() and not list(tmp_path.glob("c.partial-*"))  # nothing half-written
+    result = subprocess.run([sys.executable, "-m", "jaxpar.robot.metaworld_demos", str(tmp_path / "d"),
+                             "--tasks", "shelf-place-v3"], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "not in MT10" in result.stderr
