@@ -48,9 +48,11 @@ def test_splits_hold_the_experts_episodes(splits):
     for split, per_task, first_seed in (("train", 2, 0), ("heldout", 1, HELDOUT_SEED_OFFSET)):
         records = read_episode_seeds(out / split)
         assert [r["task"] for r in records] == [t for t in TASKS for _ in range(per_task)]
-        assert all(r["seed"] >= first_seed for r in records)
         assert set(experts[split]) == set(TASKS)
-        assert all(e["successes"] == per_task for e in experts[split].values())
+        for task, expert in experts[split].items():  # the seeds tried, in order, from the split's first
+            assert expert["successes"] == per_task
+            seeds = [r["seed"] for r in records if r["task"] == task]
+            assert seeds == sorted(seeds) and set(seeds) <= set(range(first_seed, first_seed + expert["attempts"]))
         info = json.loads((out / split / "meta" / "info.json").read_text())
         assert info["total_episodes"] == len(records)
         assert info["total_frames"] == sum(r["steps"] for r in records)
@@ -109,6 +111,9 @@ def test_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="succeeded in 0 of 5 episodes within 3 steps"):
         write_metaworld_split(tmp_path / "c", tasks=["reach-v3"], episodes=1, max_steps=3, image_size=16)
     assert not (tmp_path / "c").exists() and not list(tmp_path.glob("c.partial-*"))  # nothing half-written
+    with pytest.raises(ConfigError, match="--heldout 0"):  # before the train split is written
+        write_metaworld_splits(tmp_path / "e", train=1, heldout=0, tasks=["reach-v3"])
+    assert not (tmp_path / "e").exists()
     result = subprocess.run([sys.executable, "-m", "jaxpar.robot.metaworld_demos", str(tmp_path / "d"),
                              "--tasks", "shelf-place-v3"], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "not in MT10" in result.stderr

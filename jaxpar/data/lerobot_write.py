@@ -387,7 +387,7 @@ class SplitWriter:
     """Streams episodes into the data parquet and the camera videos, keeping only what the metadata
     and stats need (actions, states, per-episode rows, pixel histograms). An episode is a dict of
     images uint8 [T, cameras, H, W, 3], state and actions float [T, n], and its instruction (the task):
-    any simulator's demonstrations (the grid task here, Meta-World in jaxpar.data.metaworld)."""
+    any simulator's demonstrations (the grid task here, Meta-World in jaxpar.robot.metaworld_demos)."""
 
     def __init__(self, root: pathlib.Path, features: dict, fps: int, codec: str, video_size: int,
                  robot_type: str = ROBOT_TYPE):

@@ -17,7 +17,8 @@ Facts relied on, read from the installed packages (metaworld 3.1.1, mujoco 3.3.0
   (LeRobot's Meta-World env gives its `agent_pos` the same 4).
 - Actions are 4-D in [-1, 1]: the hand's xyz move and the gripper's effort. The experts may exceed that
   range and the env clips it, so the actions kept are clipped.
-- `info["success"]` is 1.0 once the task is done; an episode may run 500 steps (`max_path_length`).
+- `info["success"]` is 1.0 at a step where the task is done (recomputed each step); an episode may run 500
+  steps (`max_path_length`).
 - The `corner*` cameras render upside down (their frame's up is the world's down), so their frames are
   turned 180 degrees.
 - Rendering headless: `MUJOCO_GL=egl` (set here unless the caller chose a backend). Anti-aliasing,
@@ -72,8 +73,10 @@ def check_tasks(tasks) -> tuple[str, ...]:
     """The tasks asked for, each one Meta-World knows and jaxpar has an instruction for (one-line error)."""
     tasks = tuple(tasks)
     unknown = [task for task in tasks if task not in INSTRUCTIONS]
-    if unknown or not tasks:
-        raise ConfigError(f"Meta-World tasks {unknown or 'none'} are not in MT10; choose from {', '.join(MT10)}")
+    if not tasks:
+        raise ConfigError(f"no Meta-World task given; choose from {', '.join(MT10)}")
+    if unknown:
+        raise ConfigError(f"Meta-World tasks {unknown} are not in MT10; choose from {', '.join(MT10)}")
     return tasks
 
 
@@ -95,7 +98,12 @@ class MetaWorldTask:
         env._freeze_rand_vec, env.seeded_rand_vec, env._set_task_called = False, True, True
         self.env, self.expert = env, metaworld.policies.ENV_POLICY_MAP[task]()
         env.model.vis.quality.offsamples = 0  # no anti-aliasing
-        self.renderer = mujoco.Renderer(env.model, image_size, image_size)
+        try:
+            self.renderer = mujoco.Renderer(env.model, image_size, image_size)
+        except Exception as err:  # no EGL (or no display for the backend MUJOCO_GL names)
+            env.close()
+            raise ConfigError(f"MuJoCo cannot render headless with MUJOCO_GL={os.environ['MUJOCO_GL']} ({err}); "
+                              f"install Mesa's EGL: bash scripts/ensure_egl.sh") from None
         for flag in (mujoco.mjtRndFlag.mjRND_SHADOW, mujoco.mjtRndFlag.mjRND_REFLECTION):
             self.renderer.scene.flags[flag] = 0
         self.observation = None

@@ -9,9 +9,11 @@ then `actions[t]`), the proprioceptive state at the same moment, and the task's 
 expert that has not succeeded within `max_steps` is not kept; the next seed is tried, and the attempts
 are counted.
 
-Seeds keep the splits apart. The train split of task k tries seeds `seed, seed + 1, ...`; the held-out
-split tries `seed + HELDOUT_SEED_OFFSET, ...`. Scenes are drawn from continuous positions, so no
-held-out scene is a train scene unless over a million attempts were made. Each split also records,
+Seeds keep the splits apart. The train split of every task tries seeds `seed, seed + 1, ...`; the
+held-out split tries `seed + HELDOUT_SEED_OFFSET, ...`. Scenes are drawn from continuous positions, so
+no held-out scene is a train scene unless over a million attempts were made. Tasks share seeds on
+purpose: reach and pick-place draw from the same reset space, so seed s puts the puck and the goal in
+the same places in both, and only the instruction tells the two episodes apart. Each split also records,
 outside the LeRobot format:
 - `episodes.jsonl`: the task and seed of each episode, in order, so closed-loop evaluation can replay
   the held-out scenes.
@@ -24,6 +26,7 @@ upscaling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import time
@@ -64,8 +67,10 @@ def task_episodes(task: str, episodes: int, first_seed: int, max_steps: int, ima
     with metaworld.MetaWorldTask(task, image_size, camera) as sim:
         while len(steps) < episodes:
             if attempts >= MAX_ATTEMPTS_PER_EPISODE * episodes:
+                fix = (f"raise --max_steps (at most {MAX_PATH_LENGTH})" if max_steps < MAX_PATH_LENGTH else
+                       "check the metaworld and mujoco versions (pyproject's metaworld extra)")
                 raise ConfigError(f"the {task} expert succeeded in {len(steps)} of {attempts} episodes within "
-                                  f"{max_steps} steps; raise --max_steps (at most {MAX_PATH_LENGTH})")
+                                  f"{max_steps} steps; {fix}")
             seed = first_seed + attempts
             attempts += 1
             episode = demonstration(sim, seed, max_steps)
@@ -75,10 +80,13 @@ def task_episodes(task: str, episodes: int, first_seed: int, max_steps: int, ima
     return {"attempts": attempts, "successes": len(steps), "mean_steps": float(np.mean(steps))}
 
 
-def check_split_args(tasks, episodes: int, max_steps: int, image_size: int, codec: str, fps: int) -> tuple:
+def check_split_args(tasks, episodes: int, seed: int, max_steps: int, image_size: int, codec: str,
+                     fps: int) -> tuple:
     """One-line errors for a split that cannot be generated as asked, before anything starts."""
     tasks = metaworld.check_tasks(tasks)
     check_args(episodes, codec, fps, image_size, image_size, 1)
+    if seed < 0:
+        raise ConfigError(f"seed={seed}: Meta-World seeds are >= 0")
     if not 1 <= max_steps <= MAX_PATH_LENGTH:
         raise ConfigError(f"max_steps={max_steps}: a Meta-World episode has 1 to {MAX_PATH_LENGTH} steps")
     if image_size < 16:
@@ -93,7 +101,7 @@ def write_metaworld_split(directory, tasks=metaworld.MT10, episodes: int = 50, s
     into place when complete); returns experts.json's content. fps 80: Meta-World's control rate
     (frame_skip 5 of a 2.5 ms MuJoCo step, as its own rendering metadata says)."""
     directory = pathlib.Path(directory)
-    tasks = check_split_args(tasks, episodes, max_steps, image_size, codec, fps)
+    tasks = check_split_args(tasks, episodes, seed, max_steps, image_size, codec, fps)
     experts, records = {}, []
     with staged(directory) as staging:
         features = make_features(1, image_size, len(metaworld.ACTION_NAMES), metaworld.STATE_NAMES,
@@ -101,15 +109,16 @@ def write_metaworld_split(directory, tasks=metaworld.MT10, episodes: int = 50, s
         writer = SplitWriter(staging, features, fps, codec, image_size, metaworld.ROBOT_TYPE)
         for task in tasks:
             start = time.perf_counter()
-            generator = task_episodes(task, episodes, seed, max_steps, image_size, camera)
-            while True:
-                try:
-                    episode_seed, episode = next(generator)
-                except StopIteration as done:
-                    experts[task] = {**done.value, "seconds": round(time.perf_counter() - start, 1)}
-                    break
-                writer.add(episode)
-                records.append({"task": task, "seed": episode_seed, "steps": len(episode["actions"])})
+            # closing: a failure in the writer closes the task's simulator (its GL context) at once
+            with contextlib.closing(task_episodes(task, episodes, seed, max_steps, image_size, camera)) as generator:
+                while True:
+                    try:
+                        episode_seed, episode = next(generator)
+                    except StopIteration as done:  # the generator's return value: the attempts' summary
+                        experts[task] = {**done.value, "seconds": round(time.perf_counter() - start, 1)}
+                        break
+                    writer.add(episode)
+                    records.append({"task": task, "seed": episode_seed, "steps": len(episode["actions"])})
             if log is not None:
                 log(f"{task}: {experts[task]}")
         writer.finish()
@@ -124,17 +133,27 @@ def read_episode_seeds(directory) -> list[dict]:
     """episodes.jsonl of a split written here: [{"task", "seed", "steps"}, ...] in episode order."""
     path = pathlib.Path(directory) / EPISODES_FILE
     if not path.is_file():
-        raise ConfigError(f"{path} is missing; {directory} was not written by jaxpar.robot.metaworld_demos")
+        raise ConfigError(f"{path} is missing, so {directory} was not written by jaxpar.robot.metaworld_demos; "
+                          f"write it with python -m jaxpar.robot.metaworld_demos")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_metaworld_splits(out, train: int, heldout: int, seed: int = 0, **kwargs) -> dict:
-    """`out`/train and `out`/heldout with disjoint seeds (see the module docstring); experts.json of both."""
+def write_metaworld_splits(out, train: int, heldout: int, seed: int = 0, tasks=metaworld.MT10, max_steps: int = 200,
+                           image_size: int = 64, camera: str = "corner2", fps: int = 80, codec: str = "av1",
+                           log=None) -> dict:
+    """`out`/train and `out`/heldout with disjoint seeds (see the module docstring); experts.json of both.
+    Everything is checked before the train split starts, the held-out split's arguments too."""
     out = pathlib.Path(out)
-    check_free(out / "heldout")  # before the train split is generated, not after
-    return {"train": write_metaworld_split(out / "train", episodes=train, seed=seed, **kwargs),
+    for flag, episodes in (("--train", train), ("--heldout", heldout)):
+        if episodes < 1:
+            raise ConfigError(f"{flag} {episodes}: each split needs at least 1 episode per task")
+    check_split_args(tasks, 1, seed, max_steps, image_size, codec, fps)
+    check_free(out / "train")
+    check_free(out / "heldout")
+    shared = dict(tasks=tasks, max_steps=max_steps, image_size=image_size, camera=camera, fps=fps, codec=codec, log=log)
+    return {"train": write_metaworld_split(out / "train", episodes=train, seed=seed, **shared),
             "heldout": write_metaworld_split(out / "heldout", episodes=heldout, seed=seed + HELDOUT_SEED_OFFSET,
-                                             **kwargs)}
+                                             **shared)}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
