@@ -241,6 +241,10 @@ def _validate_vla(config: Config) -> None:
              f"for actions and leaves {text_vocab} for text; raise model.vocab_size or lower actions.bins")
     _require(act.dims >= 1 and act.instruction_len >= 1 and act.high > act.low,
              "actions.dims and actions.instruction_len must be >= 1 and actions.high > actions.low")
+    _require(act.chunk >= 1, f"actions.chunk={act.chunk}: predict at least 1 step per call")
+    _require(act.chunk == 1 or model.prefix_lm,
+             f"actions.chunk={act.chunk} decodes its slots at once, each seeing the others (bidirectional), which "
+             f"needs model.prefix_lm=true; set it, or actions.chunk=1")
     _validate_action_range(act)
     data_ways = mesh.size // vis.tp  # devices that split the images
     per_dp = config.train.global_batch_size // mesh.dp

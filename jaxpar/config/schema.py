@@ -207,6 +207,9 @@ class ActionConfig:
     LeRobot dataset and bounds otherwise."""
 
     dims: int = 7  # e.g. 6-DoF end-effector delta + gripper
+    # actions predicted per call (H): 1 decodes one step's tokens one by one (OpenVLA); H > 1 decodes the next H
+    # steps' H x dims tokens at once from placeholder slots attending to each other (OpenVLA-OFT's parallel decoding)
+    chunk: int = 1
     bins: int = 256
     low: float = -1.0
     high: float = 1.0
@@ -421,10 +424,15 @@ def sums_own_images(config: Config) -> bool:
 
 
 def vla_sequence_layout(config: Config) -> tuple[int, int, int]:
-    """(image tokens, prefix length = image + instruction tokens, LLM sequence length) of a VLA."""
+    """(image tokens, prefix length = image + instruction tokens, LLM sequence length) of a VLA.
+
+    One step (chunk 1) is decoded token by token: the LLM reads the actions but the last (teacher
+    forcing). A chunk of H > 1 steps is decoded at once: the LLM reads H x dims placeholder slots, each
+    of which predicts its own action token (jaxpar.models.vla.make_batch)."""
     n_image = image_tokens(config.vision)
-    prefix = n_image + config.actions.instruction_len
-    return n_image, prefix, prefix + config.actions.dims - 1
+    act = config.actions
+    prefix = n_image + act.instruction_len
+    return n_image, prefix, prefix + (act.dims - 1 if act.chunk == 1 else act.chunk * act.dims)
 
 
 def instruction_tokenizer_file(config: Config) -> str | None:

@@ -248,6 +248,11 @@ class EpisodeSource:
         episode, step = self.episode(index), record - int(self.starts[index])
         return {**episode, "images": episode["images"][step], "actions": episode["actions"][step]}
 
+    def episode_actions(self, record: int) -> tuple[np.ndarray, int]:
+        """(the actions [T, dims] of the episode record `record` is a step of, that step): action chunks."""
+        index = int(np.searchsorted(self.starts, record, side="right")) - 1
+        return self.episode(index)["actions"], record - int(self.starts[index])
+
     def check_instructions(self) -> None:
         """Read every instruction (not the images), so a too-long one fails at start, naming its file."""
         for index in range(len(self.files)):

@@ -384,6 +384,11 @@ class LeRobotSource:
         images = np.stack([self.frame(slot, key, step) for key in self.camera_keys])
         return {"images": images, **self.instruction(int(self.task_index[record])), "actions": self.actions[record]}
 
+    def episode_actions(self, record: int) -> tuple[np.ndarray, int]:
+        """(the actions [T, dims] of the episode frame `record` belongs to, its step): action chunks."""
+        slot = int(np.searchsorted(self.starts, record, side="right")) - 1
+        return self.actions[self.starts[slot]:self.starts[slot + 1]], record - int(self.starts[slot])
+
     def frame(self, slot: int, camera: str, step: int) -> np.ndarray:
         """Frame `step` of camera `camera` of the slot-th selected episode, its segment decoded once."""
         length = self.episodes[slot]["length"]

@@ -106,7 +106,7 @@ def episode_batch(config: Config, records: dict, with_values: bool = False) -> d
     from jaxpar.models import vla
 
     batch = vla.make_batch(config, records["images"], records["instruction"].astype(np.int32), records["actions"],
-                           records.get("instruction_bytes"))
+                           records.get("instruction_bytes"), records.get("action_valid"))
     if with_values:
         batch["values"] = vla.action_values(config, records["actions"])
     return batch
@@ -133,6 +133,10 @@ def make_source(config: Config, directory: str, split: str = "train"):
                               f"jaxpar episodes (all cameras, in order; held out in their own data.eval directory)")
         source = EpisodeSource(directory, InstructionEncoder.for_config(config))
     _check_episode_shapes(config, source)
+    if config.actions.chunk > 1:
+        from jaxpar.data.chunks import ChunkedSource
+
+        source = ChunkedSource(source, config.actions.chunk)
     source.check_instructions()
     return source
 

@@ -84,7 +84,8 @@ def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT
                     config, instruction_bytes_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """A VLA's greedy action tokens [B, dims] on one device, and the logits they were chosen from
     [B, dims, bins]: the image + instruction prefix in one call, then one action token per call,
-    each the most likely among the action tokens only. Images are uint8 pixels, scaled in the encoder
+    each the most likely among the action tokens only. With actions.chunk = H > 1: [B, H x dims] tokens
+    (step-major) and their logits from one call over the prefix and the placeholder slots. Images are uint8 pixels, scaled in the encoder
     (jaxpar.models.vit.normalise). `instruction_bytes_BxT`: what FiLM reads when the LLM reads a
     tokenizer's ids (jaxpar.data.instructions)."""
     from jaxpar.models import vit, vla
@@ -92,11 +93,19 @@ def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT
     coll, cfg, dims = Collectives(), config.model, config.actions.dims
     film = instruction_BxT if instruction_bytes_BxT is None else instruction_bytes_BxT
     tokens = vit.encode(params, images_BxCamxHxWxC, config.vision, coll, None, film)
+    first_action = cfg.vocab_size - config.actions.bins
+    if config.actions.chunk > 1:  # every slot of the chunk in one call (jaxpar.models.vla: parallel decoding)
+        slots = vla.action_targets(config)
+        placeholders = jnp.full((instruction_BxT.shape[0], slots), vla.PLACEHOLDER_ID, instruction_BxT.dtype)
+        x = vla.llm_inputs(params, tokens, jnp.concatenate([instruction_BxT, placeholders], axis=1), coll)
+        cache = init_cache(cfg, x.shape[0], x.shape[1], cfg.n_kv_heads, x.dtype)
+        logits, _ = forward_embedded(params, x, cache, 0, cfg, coll, vla.prefix_len(config))
+        scores = logits[:, -slots:, first_action:]
+        return first_action + jnp.argmax(scores, axis=-1).astype(jnp.int32), scores
     x = vla.llm_inputs(params, tokens, instruction_BxT, coll)
     prefix = x.shape[1]
     cache = init_cache(cfg, x.shape[0], prefix + dims - 1, cfg.n_kv_heads, x.dtype)
     logits, cache = forward_embedded(params, x, cache, 0, cfg, coll, vla.prefix_len(config))
-    first_action = cfg.vocab_size - config.actions.bins
     out, scores = [], []
     for j in range(dims):
         scores.append(logits[:, -1, first_action:])

@@ -322,16 +322,21 @@ def predict_episode_action(args) -> dict:
     text, film = InstructionEncoder.for_config(config).encode_batch([instruction], path)  # as training encoded it
     tokens = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config, film)[0])[0]
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
-    action = tokenizer.from_bins(tokenizer.tokens_to_bins(tokens))
+    chunk, dims = config.actions.chunk, config.actions.dims
+    action = tokenizer.from_bins(tokenizer.tokens_to_bins(tokens.reshape(chunk, dims)))  # [H, dims]
+    recorded = actions[args.step:args.step + chunk]  # the episode's next H (fewer at its end)
+    if chunk == 1:
+        action, recorded = action[0], recorded[0]
     return {"action_ids": tokens.tolist(), "action": np.round(action, 6).tolist(),
-            "recorded_action": np.round(actions[args.step], 6).tolist()}
+            "recorded_action": np.round(recorded, 6).tolist()}
 
 
 def run(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.episode:
         result = predict_episode_action(args)
-        print(json.dumps(result) if args.json else " ".join(f"{a:.4f}" for a in result["action"]))
+        flat = [a for row in result["action"] for a in (row if isinstance(row, list) else [row])]  # a chunk's rows
+        print(json.dumps(result) if args.json else " ".join(f"{a:.4f}" for a in flat))
         return 0
     from jaxpar.parallel.mesh import emulate_cpu_devices
 

@@ -4,6 +4,13 @@ Sequence: [image tokens | instruction tokens | action tokens]. Continuous action
 into `bins` uniform bins per dimension and mapped to the last `bins` vocabulary ids (OpenVLA,
 RT-2). The loss is on the action tokens (and optionally the instruction). With `prefix_lm` the image
 + instruction prefix attends bidirectionally and the actions causally (PaliGemma).
+
+Action chunks (actions.chunk = H > 1, OpenVLA-OFT's parallel decoding): the next H steps' H x dims
+tokens are predicted in one call. The LLM reads H x dims placeholder slots (PLACEHOLDER_ID) after the
+instruction, and each slot's output predicts its own action token. So nothing is teacher-forced, and the
+slots may see each other: the whole sequence attends bidirectionally (prefix_len). The placeholders carry
+no answer, only their positions. Steps past an episode's end are padded and left out of the loss (their
+mask is 0).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from jaxpar.config import vla_sequence_layout as sequence_layout  # (derived fro
 from jaxpar.layers import vocab_parallel
 from jaxpar.layers.collectives import Collectives
 from jaxpar.models import llama, vit
+
+PLACEHOLDER_ID = 0  # an action slot's input under chunking: a fixed token (the instruction's padding byte)
 
 
 class ActionTokenizer:
@@ -51,8 +60,13 @@ class ActionTokenizer:
         return np.asarray(tokens) >= self.first_id
 
 
+def action_targets(config: Config) -> int:
+    """How many positions at the end of the sequence are action targets: the chunk's H x dims tokens."""
+    return config.actions.chunk * config.actions.dims
+
+
 def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, actions: np.ndarray,
-               instruction_bytes: np.ndarray | None = None) -> dict:
+               instruction_bytes: np.ndarray | None = None, valid: np.ndarray | None = None) -> dict:
     """Host batch: images uint8 [B, cams, H, W, C] (kept uint8: the encoder scales them on the device,
     jaxpar.models.vit.normalise), the LLM's instruction ids [B, T_text], actions [B, dims] in
     [low, high]; `instruction_bytes` [B, T_text]: what FiLM reads when the LLM reads a tokenizer's ids
@@ -62,30 +76,45 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
     targets are [0 x (n_image-1), instruction, actions] and the mask selects the action targets: the
     last `dims` positions (by place, not by id: a tokenizer's instruction ids may fall among the
     action bins' ids, as OpenVLA's bins reuse a Llama's last 256 tokens).
+
+    With actions.chunk = H > 1, `actions` is [B, H, dims] and `valid` [B, H] says which steps lie
+    inside the episode (default all). The LLM sees [image tokens, instruction, H x dims placeholders];
+    each placeholder's position predicts its own step's token (the position before the slots predicts
+    nothing), and the mask keeps the valid steps' tokens.
     """
-    tokenizer = ActionTokenizer(config.actions, config.model.vocab_size)
-    action_ids = tokenizer.bins_to_tokens(tokenizer.to_bins(actions))
-    tokens = np.concatenate([instructions.astype(np.int32), action_ids], axis=1)
+    act = config.actions
+    tokenizer = ActionTokenizer(act, config.model.vocab_size)
+    batch_size = instructions.shape[0]
+    action_ids = tokenizer.bins_to_tokens(tokenizer.to_bins(np.asarray(actions).reshape(batch_size, -1, act.dims)))
+    action_ids = action_ids.reshape(batch_size, -1)  # [B, H x dims], step-major
     n_image, _, _ = sequence_layout(config)
-    batch_size = tokens.shape[0]
-    targets = np.concatenate([np.zeros((batch_size, n_image - 1), np.int32), tokens], axis=1)
+    if act.chunk == 1:
+        tokens = np.concatenate([instructions.astype(np.int32), action_ids], axis=1)
+        inputs, targets = tokens[:, :-1], np.concatenate([np.zeros((batch_size, n_image - 1), np.int32), tokens], 1)
+    else:
+        slots = np.full(action_ids.shape, PLACEHOLDER_ID, np.int32)
+        inputs = np.concatenate([instructions.astype(np.int32), slots], axis=1)
+        targets = np.concatenate([np.zeros((batch_size, n_image - 1), np.int32), instructions.astype(np.int32),
+                                  np.zeros((batch_size, 1), np.int32), action_ids], axis=1)
     mask = np.zeros(targets.shape, np.float32)
-    mask[:, -config.actions.dims:] = 1.0
+    step_valid = np.ones((batch_size, act.chunk), np.float32) if valid is None else np.asarray(valid, np.float32)
+    mask[:, -action_targets(config):] = np.repeat(step_valid, act.dims, axis=1)
     if config.model.text_loss:
         mask[:, n_image - 1:n_image - 1 + instructions.shape[1]] = 1.0
     images = np.asarray(images)
     if images.dtype != np.uint8:
         raise TypeError(f"make_batch takes uint8 pixels (the encoder scales them on the device), not {images.dtype}")
-    batch = {"images": images, "inputs": tokens[:, :-1], "targets": targets, "mask": mask}
+    batch = {"images": images, "inputs": inputs, "targets": targets, "mask": mask}
     if instruction_bytes is not None:
         batch["instruction_bytes"] = np.asarray(instruction_bytes, np.int32)
     return batch
 
 
-def action_values(config: Config, actions_BxA: np.ndarray) -> np.ndarray:
-    """[B, T] continuous actions at the action-target positions (the last `dims`), zero elsewhere."""
-    values = np.zeros((actions_BxA.shape[0], sequence_layout(config)[2]), np.float32)
-    values[:, -config.actions.dims:] = actions_BxA
+def action_values(config: Config, actions: np.ndarray) -> np.ndarray:
+    """[B, T] continuous actions ([B, dims], or [B, H, dims] for a chunk) at the action-target positions
+    (the last H x dims), zero elsewhere."""
+    values = np.zeros((actions.shape[0], sequence_layout(config)[2]), np.float32)
+    values[:, -action_targets(config):] = np.asarray(actions).reshape(actions.shape[0], -1)
     return values
 
 
@@ -98,13 +127,15 @@ def eval_sums(config: Config, token_loss_BxS: jax.Array, pred_BxS: jax.Array, ba
     targets = batch["targets"]
     if positions_S is None:
         positions_S = jnp.arange(targets.shape[1])
-    dim_S = positions_S - (sequence_layout(config)[2] - act.dims)  # the action targets are the last dims
-    is_action_S = dim_S >= 0
+    slot_S = positions_S - (sequence_layout(config)[2] - action_targets(config))  # the targets: the last H x dims
+    is_action_S = slot_S >= 0
+    dim_S = jnp.where(is_action_S, slot_S % act.dims, -1)  # each step's tokens in dim order
     tokenizer = ActionTokenizer(act, config.model.vocab_size)
     low_S = jnp.asarray(tokenizer.low, jnp.float32)[jnp.clip(dim_S, 0)]
     width_S = jnp.where(is_action_S, jnp.asarray(tokenizer.width, jnp.float32)[jnp.clip(dim_S, 0)], 0.0)
     is_action_BxS = jnp.broadcast_to(is_action_S, targets.shape).astype(jnp.float32)
     decoded_BxS = low_S + (jnp.clip(pred_BxS - first_id, 0, act.bins - 1) + 0.5) * width_S
+    is_action_BxS = is_action_BxS * batch["mask"]  # a chunk's steps past the episode's end are not scored
     correct_BxS = (pred_BxS == targets) * is_action_BxS
     by_dim_SxA = jax.nn.one_hot(dim_S, act.dims)  # all zeros off the action tokens
     return {**llama.eval_sums(token_loss_BxS, pred_BxS, batch), "action_tokens": jnp.sum(is_action_BxS),
@@ -123,7 +154,11 @@ def synthetic_batch(config: Config, step: int, batch_size: int) -> dict:
     instructions = rng.integers(0, min(text_vocab, vit.INSTRUCTION_VOCAB), (batch_size, act.instruction_len))
     means = images.reshape(batch_size, -1, vis.channels).mean(axis=1) / 255.0  # [B, C] in [0, 1]
     actions = np.tanh(4.0 * (np.resize(means, (batch_size, act.dims)) - 0.5))
-    return make_batch(config, images, instructions, actions)
+    if act.chunk == 1:
+        return make_batch(config, images, instructions, actions)
+    later = np.linspace(1.0, 0.5, act.chunk)[None, :, None]  # each step of the chunk its own function
+    valid = np.arange(act.chunk)[None, :] < rng.integers(1, act.chunk + 1, (batch_size, 1))  # episode ends
+    return make_batch(config, images, instructions, actions[:, None, :] * later, valid=valid)
 
 
 def instruction_ids(batch: dict, config: Config):
@@ -165,12 +200,16 @@ def llm_inputs_summed(params: dict, image_part_BxIxD: jax.Array, inputs_BxT: jax
 
 
 def prefix_len(config: Config) -> int:
+    """The positions that attend bidirectionally: image + instruction with prefix_lm, and the whole
+    sequence under chunking (the slots see each other; their inputs are placeholders, so nothing leaks)."""
+    if config.actions.chunk > 1:
+        return sequence_layout(config)[2]
     return sequence_layout(config)[1] if config.model.prefix_lm else 0
 
 
 def loss_positions(config: Config) -> int | None:
     """How many positions at the end of each rank's sequence the LM head runs on: the action targets
-    (the last `dims`: make_batch's mask), or None (every position) with the text loss. A static slice,
+    (the last H x dims: make_batch's mask), or None (every position) with the text loss. A static slice,
     so the head's FLOPs and fp32 logits, and a pipeline's broadcast of the last stage's output to the
     head and its cotangent, shrink by S / dims (vla70b: 296 / 7).
 
@@ -180,11 +219,11 @@ def loss_positions(config: Config) -> int | None:
     on every position, where a cp chunk or sp shard is shorter than the actions (they would straddle)."""
     if config.model.text_loss:
         return None
-    dims, seq, mesh = config.actions.dims, sequence_layout(config)[2], config.mesh
+    targets, seq, mesh = action_targets(config), sequence_layout(config)[2], config.mesh
     local = seq // (2 * mesh.cp) if mesh.cp > 1 else seq  # the chunk that holds the actions
     if mesh.sequence_parallel and mesh.tp > 1:
         local = min(local, seq // mesh.cp // mesh.tp)  # the sp shard of a cp rank's tokens that does
-    return dims if dims <= local else None
+    return targets if targets <= local else None
 
 
 def llm_loss_sum(params: dict, image_tokens_BxIxD: jax.Array, batch: dict, config: Config,

@@ -39,7 +39,9 @@ def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = 
     `policy(images uint8 [B, cameras, H, W, 3], instructions: B strings) -> float [B, dims]` (a model
     encodes the words as its training did: model_policy) sees all scenes each step (finished ones
     too: a fixed batch keeps one compiled
-    shape). Returns success_rate, mean_steps (over the successes; nan without any),
+    shape). A policy that returns a chunk [B, H, dims] is called once per H steps, which run open
+    loop; `policy_calls` counts the calls and `actions_per_second` the steps of all scenes per second.
+    Returns success_rate, mean_steps (over the successes; nan without any),
     expert_mean_steps (the expert's on those same scenes), per-scene `success` [B] and `steps` [B]
     (-1: never), `trajectories` int [T + 1, B, 2] (effector cells), `colours` (the named squares'),
     `seconds`, and with `frames` > 0 the camera-0 `frames` uint8 [T + 1, frames, H, W, 3] of the
@@ -47,20 +49,27 @@ def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = 
     env = TaskEnv(shape, scenes)
     instructions = env.instructions
     path, recorded, start = [env.effector.copy()], [], time.perf_counter()
-    for _ in range(max_steps):
-        if env.done.all():
-            break
+    taken = calls = 0
+    while taken < max_steps and not env.done.all():
         images = env.render()
-        recorded.append(images[:frames, 0])
-        env.step(policy(images, instructions))
-        path.append(env.effector.copy())
+        actions = np.asarray(policy(images, instructions))
+        calls += 1
+        for step_actions in (actions if actions.ndim == 3 else actions[:, None]).transpose(1, 0, 2):  # open loop
+            if taken == max_steps or env.done.all():
+                break
+            recorded.append(images[:frames, 0])
+            env.step(step_actions)
+            taken += 1
+            path.append(env.effector.copy())
+            images = env.render() if frames else images  # only the recording needs the frames inside a chunk
     recorded.append(env.render()[:frames, 0])
     success = env.done.copy()
     expert = np.array([expert_steps(scene) for scene in scenes])
     result = {"success_rate": float(success.mean()), "success": success, "steps": env.steps.copy(),
               "mean_steps": float(env.steps[success].mean()) if success.any() else float("nan"),
               "expert_mean_steps": float(expert[success].mean()) if success.any() else float("nan"),
-              "trajectories": np.stack(path), "colours": env.colours, "seconds": time.perf_counter() - start}
+              "trajectories": np.stack(path), "colours": env.colours, "seconds": time.perf_counter() - start,
+              "policy_calls": calls, "actions_per_second": taken * len(scenes) / (time.perf_counter() - start)}
     if frames:
         result["frames"] = np.stack(recorded)
     return result
@@ -96,6 +105,8 @@ def model_policy(config, weights, predict=None, place=None):
             encoded[key] = tuple(None if a is None else place(a) for a in arrays)
         pixels = place(np.asarray(images, np.uint8))  # the encoder scales them (jaxpar.models.vit.normalise)
         tokens = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1])[0])
+        if config.actions.chunk > 1:  # [B, H x dims] step-major -> [B, H, dims]
+            tokens = tokens.reshape(tokens.shape[0], config.actions.chunk, config.actions.dims)
         return np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(tokens)), np.float32)
 
     return policy
@@ -212,7 +223,8 @@ def evaluate(args) -> dict:
             "max_steps": max_steps, "success_rate": result["success_rate"], "mean_steps": _json(result["mean_steps"]),
             "expert_mean_steps": _json(result["expert_mean_steps"]), "random_success_rate": chance["success_rate"],
             "excluded_train_scenes": len(exclude), "checked_against_train": note is None, "note": note,
-            "seconds": round(result["seconds"], 3), "gif": args.gif,
+            "seconds": round(result["seconds"], 3), "policy_calls": result["policy_calls"],
+            "actions_per_second": round(result["actions_per_second"], 1), "gif": args.gif,
             "per_scene": [{**scene, "success": bool(ok), "steps": int(n) if ok else None}
                           for scene, ok, n in zip(scenes, result["success"], result["steps"])]}
 
@@ -278,7 +290,7 @@ class TrainingRollouts:
         """The metrics logged at an evaluation."""
         result = self.rollout(params)
         return {"eval_success_rate": result["success_rate"], "eval_steps_to_success": result["mean_steps"],
-                "eval_rollout_seconds": result["seconds"]}
+                "eval_rollout_seconds": result["seconds"], "eval_policy_calls": result["policy_calls"]}
 
     def rollout(self, params) -> dict:
         """run_rollouts' result for the training state's params, as they are laid out."""
@@ -297,7 +309,8 @@ def summary(out: dict) -> str:
                 else "not checked against the train split")
     lines = [f"step {out['step']}: success rate {out['success_rate']:.1%} ({successes}/{out['scenes']} held-out "
              f"scenes, {excluded}; at most {out['max_steps']} steps); {steps}; uniform random actions: "
-             f"{out['random_success_rate']:.1%}"]
+             f"{out['random_success_rate']:.1%}; {out['policy_calls']} policy calls, "
+             f"{out['actions_per_second']:.0f} actions a second"]
     if out["note"]:
         lines.append(f"note: {out['note']}")
     if out["gif"]:

@@ -1,0 +1,179 @@
+"""Action chunks (actions.chunk = H > 1, issue 49): H steps' action tokens decoded at once from placeholder
+slots. The batch leaks no answer, episode ends are padded and masked, every layout equals one device,
+decoding reads the training forward's logits, and rollouts run the chunk open loop."""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import ConfigError, load_config, validate
+from jaxpar.data import episodes
+from jaxpar.data.chunks import ChunkedSource, action_chunk
+from jaxpar.data.instructions import InstructionEncoder
+from jaxpar.layers.collectives import Collectives
+from jaxpar.models import llama, vit, vla
+from jaxpar.robot import env as task
+from jaxpar.robot import rollout
+
+import test_vla as base
+
+CHUNK = 4
+CONFIG = base.with_values(base.BASE, actions=dict(chunk=CHUNK))
+SINGLE = base.with_values(base.SINGLE, actions=dict(chunk=CHUNK))
+
+
+def test_the_batch_reads_placeholders_and_scores_each_valid_step():
+    act = CONFIG.actions
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (3, 1, 16, 16, 3), np.uint8)
+    text = rng.integers(1, 256, (3, act.instruction_len)).astype(np.int32)
+    actions = rng.uniform(-1, 1, (3, CHUNK, act.dims))
+    valid = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    batch = vla.make_batch(CONFIG, images, text, actions, valid=valid)
+    other = vla.make_batch(CONFIG, images, text, -actions, valid=valid)
+    n_image, prefix, seq = vla.sequence_layout(CONFIG)
+    assert seq == prefix + CHUNK * act.dims and batch["targets"].shape == (3, seq)
+    np.testing.assert_array_equal(batch["inputs"], other["inputs"])  # the answer is nowhere in the input
+    assert (batch["inputs"][:, act.instruction_len:] == vla.PLACEHOLDER_ID).all()
+    tokenizer = vla.ActionTokenizer(act, CONFIG.model.vocab_size)
+    slots = batch["targets"][:, -CHUNK * act.dims:].reshape(3, CHUNK, act.dims)
+    np.testing.assert_array_equal(slots, tokenizer.bins_to_tokens(tokenizer.to_bins(actions)))  # step-major
+    mask = batch["mask"].reshape(3, -1)
+    assert mask[:, :-CHUNK * act.dims].sum() == 0
+    np.testing.assert_array_equal(mask[:, -CHUNK * act.dims:].reshape(3, CHUNK, act.dims).max(-1), valid)
+    assert vla.prefix_len(CONFIG) == seq  # the slots see each other, and the prefix sees them
+    assert vla.loss_positions(CONFIG) == CHUNK * act.dims
+    # evaluation scores the valid steps' tokens only, each under its own dim
+    batch["values"] = vla.action_values(CONFIG, actions)
+    sums = vla.eval_sums(CONFIG, np.zeros(batch["targets"].shape, np.float32), batch["targets"], batch)
+    assert sums["action_tokens"] == sums["action_correct"] == valid.sum() * act.dims
+    np.testing.assert_array_equal(sums["action_correct_by_dim"], np.full(act.dims, valid.sum()))
+    assert sums["action_abs_err"] <= valid.sum() * act.dims * (act.high - act.low) / act.bins / 2 + 1e-4
+
+
+def test_chunks_stop_at_the_episode_end(tmp_path):
+    actions = np.arange(12, dtype=np.float32).reshape(6, 2)
+    chunk, valid = action_chunk(actions, 4, 4)
+    np.testing.assert_array_equal(chunk, [[8, 9], [10, 11], [10, 11], [10, 11]])
+    np.testing.assert_array_equal(valid, [1, 1, 0, 0])
+    episodes.write_split(tmp_path, 5, seed=3)
+    source = episodes.EpisodeSource(tmp_path, InstructionEncoder(CONFIG.actions.instruction_len))
+    chunked = ChunkedSource(source, CHUNK)
+    assert len(chunked) == len(source)
+    for index in range(len(source.files)):
+        first, last = int(source.starts[index]), int(source.starts[index + 1]) - 1
+        recorded = source.episode(index)["actions"]
+        record = chunked[first]
+        np.testing.assert_array_equal(record["actions"][:len(recorded)], recorded[:CHUNK])
+        np.testing.assert_array_equal(record["images"], source[first]["images"])
+        end = chunked[last]  # the episode's last step: itself, then padding
+        np.testing.assert_array_equal(end["action_valid"], [1, 0, 0, 0])
+        np.testing.assert_array_equal(end["actions"], np.repeat(recorded[-1:], CHUNK, axis=0))
+
+
+# The chunked model on the layout families (make test: one pipeline and one ZeRO layout; CI runs the rest).
+@pytest.mark.parametrize("mesh,schedule,vision_tp", [
+    ((2, 2, 2), "1f1b", 1),
+    ((2, 1, 4), "zero1", 2),
+    pytest.param((1, 2, 4), "1f1b", 2, marks=pytest.mark.slow),
+    pytest.param((2, 2, 2), "zb", 2, marks=pytest.mark.slow),
+    pytest.param((2, 1, 4), "zero2", 2, marks=pytest.mark.slow),
+    pytest.param((4, 1, 2), "zero3", 1, marks=pytest.mark.slow),
+])
+def test_chunked_vla_matches_single_device(mesh, schedule, vision_tp):
+    ref_losses, ref_grads, _ = base.reference(SINGLE)
+    pipe = dict(schedule=schedule) if mesh[1] > 1 else dict(microbatches=1)
+    config = base.with_values(CONFIG, mesh=dict(dp=mesh[0], pp=mesh[1], tp=mesh[2]), vision=dict(tp=vision_tp),
+                              pipeline=pipe, zero=dict(stage=int(schedule[-1]) if schedule.startswith("zero") else 1))
+    losses, grads, _ = base.run(config, single=SINGLE)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+    def check(path, a, e):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * np.max(np.abs(e)), err_msg=jax.tree_util.keystr(path))
+    jax.tree_util.tree_map_with_path(check, grads, ref_grads)
+
+
+def test_decoding_a_chunk_reads_the_training_forward():
+    """predict_actions' one call gives the tokens the training forward's logits pick at the slots, so a
+    model that learned the loss acts as it learned."""
+    from jaxpar.inference import decode
+
+    params = jax.device_get(base.reference_state(SINGLE).params)
+    batch = vla.synthetic_batch(SINGLE, 0, 2)
+    coll = Collectives()
+    tokens, scores = decode.predict_actions(params, batch["images"], batch["inputs"][:, :SINGLE.actions.instruction_len],
+                                            SINGLE)
+    x = vla.llm_inputs(params, vit.encode(params, batch["images"], SINGLE.vision, coll, None,
+                                          vla.instruction_ids(batch, SINGLE)), batch["inputs"], coll)
+    x = llama.run_layers(x, params["layers"], SINGLE.model, coll, None, vla.prefix_len(SINGLE))
+    first = SINGLE.model.vocab_size - SINGLE.actions.bins
+    logits = np.asarray(llama.head_logits(params, x, SINGLE.model, coll))[:, -CHUNK * SINGLE.actions.dims:, first:]
+    np.testing.assert_allclose(np.asarray(scores), logits, rtol=1e-4, atol=1e-4 * np.abs(logits).max())
+    np.testing.assert_array_equal(np.asarray(tokens), first + logits.argmax(-1))
+
+
+def expert_chunks(shape, chunk):
+    """The expert's next `chunk` actions from each frame: the grid task is deterministic, so the effector
+    is moved along in a copy of the scene."""
+    expert = task.expert_policy(shape)
+
+    def policy(images, instructions):
+        scenes = [{"squares": s["squares"], "target": s["target"], "start": list(map(int, cell))}
+                  for s, cell in zip(policy.scenes, policy.env.effector)]
+        env = task.TaskEnv(shape, scenes)
+        steps = []
+        for _ in range(chunk):
+            steps.append(expert(env.render(), instructions))
+            env.step(steps[-1])
+        return np.stack(steps, axis=1)
+    return policy
+
+
+def test_rollouts_run_a_chunk_open_loop():
+    shape = task.TaskShape()
+    scenes = task.draw_scenes(50, 4, shape)
+    one = rollout.run_rollouts(task.expert_policy(shape), scenes, 8, shape)
+    policy = expert_chunks(shape, CHUNK)
+    policy.scenes, policy.env = scenes, None
+    original = task.TaskEnv
+
+    class Recording(original):  # hands the policy the env it acts in, to look ahead from its cells
+        def __init__(self, *args):
+            super().__init__(*args)
+            if policy.env is None:
+                policy.env = self
+    task.TaskEnv, rollout.TaskEnv = Recording, Recording
+    try:
+        chunked = rollout.run_rollouts(policy, scenes, 8, shape)
+    finally:
+        task.TaskEnv, rollout.TaskEnv = original, original
+    np.testing.assert_array_equal(chunked["steps"], one["steps"])  # the same path, fewer calls
+    assert chunked["success_rate"] == 1.0
+    longest = max(task.expert_steps(s) for s in scenes)
+    assert one["policy_calls"] == longest and chunked["policy_calls"] == math.ceil(longest / CHUNK)
+
+
+def test_chunk_mistakes_are_one_line_errors():
+    for changes, expected in ((dict(actions=dict(chunk=0)), "actions.chunk=0"),
+                              (dict(actions=dict(chunk=4), model=dict(prefix_lm=False)), "needs model.prefix_lm=true")):
+        with pytest.raises(ConfigError, match=expected) as err:
+            validate(base.with_values(base.BASE, **changes))
+        assert "\n" not in str(err.value)
+
+
+def test_the_config_key_reaches_the_data(tmp_path):
+    """data.train with actions.chunk: the pipeline's records carry each step's chunk and validity."""
+    from jaxpar.data.pipeline import episode_batch, make_source
+
+    episodes.write_split(tmp_path, 3, seed=1)
+    config = load_config("vla_tiny", [f"data.train={tmp_path}", "data.eval=", "data.generate=false",
+                                      f"actions.chunk={CHUNK}"])
+    source = make_source(config, str(tmp_path))
+    records = [source[i] for i in range(len(source))]
+    stacked = {key: np.stack([r[key] for r in records]) for key in ("images", "instruction", "actions", "action_valid")}
+    batch = episode_batch(config, stacked, with_values=True)
+    assert batch["mask"].sum() == stacked["action_valid"].sum() * config.actions.dims
+    assert dataclasses.asdict(config)["actions"]["chunk"] == CHUNK
