@@ -117,3 +117,28 @@ def test_one_line_errors(tmp_path):
     result = subprocess.run([sys.executable, "-m", "jaxpar.robot.metaworld_demos", str(tmp_path / "d"),
                              "--tasks", "shelf-place-v3"], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "not in MT10" in result.stderr
+
+
+def test_closed_loop_replays_held_out_scenes_and_the_expert_succeeds(splits):
+    """The batched env replays a split's scenes: the expert in closed loop succeeds on each in exactly
+    its recorded steps; a chunk of the recorded actions, run open loop, succeeds too, in fewer calls."""
+    out, _ = splits
+    scenes = read_episode_seeds(out / "heldout")
+    result = metaworld.run_rollouts(metaworld.expert_policy, scenes, max_steps=150, image_size=SIZE, frames=1)
+    assert result["success_rate"] == 1.0 and set(result["per_task"]) == set(TASKS)
+    np.testing.assert_array_equal(result["steps"], [s["steps"] for s in scenes])
+    assert result["policy_calls"] == max(s["steps"] for s in scenes)
+    assert result["frames"].shape == (result["policy_calls"] + 1, 1, SIZE, SIZE, 3)
+    recorded = pq.read_table(next((out / "heldout" / "data").rglob("*.parquet"))).to_pydict()
+    episode_of, stored = np.asarray(recorded["episode_index"]), np.asarray(recorded["action"])
+    longest = max(s["steps"] for s in scenes)
+    plans = np.stack([np.concatenate([stored[episode_of == i], np.zeros((longest - s["steps"], 4))])
+                      for i, s in enumerate(scenes)])  # [B, longest, 4]: each scene's recorded actions
+
+    def replay(env):
+        def policy(images, instructions):  # the next 8 recorded actions of every scene
+            return plans[:, env.t:env.t + 8]
+        return policy
+    chunked = metaworld.run_rollouts(replay, scenes, max_steps=150, image_size=SIZE)
+    np.testing.assert_array_equal(chunked["steps"], [s["steps"] for s in scenes])
+    assert chunked["policy_calls"] == -(-longest // 8)

@@ -148,3 +148,97 @@ class MetaWorldTask:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class MetaWorldEnv:
+    """B Meta-World scenes stepped together, for closed-loop evaluation: `scenes` are records of a
+    split's episodes.jsonl ({"task", "seed"}), so held-out scenes replay exactly. Each scene has its
+    own simulator. State: `done` [B], `steps` [B] (steps to success, -1 while not done), `t` steps
+    taken. A scene that succeeds is done and ignores later actions, as in jaxpar.robot.env.TaskEnv."""
+
+    def __init__(self, scenes: list[dict], image_size: int = 64, camera: str = "corner2"):
+        if not scenes:
+            raise ConfigError("no Meta-World scenes to roll out; ask for at least one")
+        self.scenes = [dict(scene) for scene in scenes]
+        self.sims = []
+        try:
+            for scene in self.scenes:
+                self.sims.append(MetaWorldTask(scene["task"], image_size, camera))
+        except BaseException:
+            self.close()
+            raise
+        self.reset()
+
+    def __len__(self) -> int:
+        return len(self.scenes)
+
+    def reset(self) -> None:
+        for sim, scene in zip(self.sims, self.scenes):
+            sim.reset(scene["seed"])
+        self.done = np.zeros(len(self), bool)
+        self.steps = np.full(len(self), -1, np.int64)
+        self.t = 0
+
+    @property
+    def instructions(self) -> list[str]:
+        return [sim.instruction for sim in self.sims]
+
+    def render(self) -> np.ndarray:
+        """uint8 [B, 1, H, W, 3]: each scene's camera now."""
+        return np.stack([sim.frame() for sim in self.sims])[:, None]
+
+    def step(self, actions: np.ndarray) -> np.ndarray:
+        """One action per scene (float [B, 4], clipped to [-1, 1] as the env does); the scenes that succeeded now."""
+        actions = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)
+        if actions.shape != (len(self), len(ACTION_NAMES)) or not np.isfinite(actions).all():
+            raise ValueError(f"a policy must return finite actions of shape {(len(self), len(ACTION_NAMES))}; "
+                             f"got {actions.shape}")
+        succeeded = np.zeros(len(self), bool)
+        for index in np.flatnonzero(~self.done):
+            succeeded[index] = self.sims[index].step(actions[index])
+        self.t += 1
+        self.done |= succeeded
+        self.steps[succeeded] = self.t
+        return succeeded
+
+    def close(self) -> None:
+        for sim in self.sims:
+            sim.close()
+
+    def __enter__(self) -> "MetaWorldEnv":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def expert_policy(env: MetaWorldEnv):
+    """The scripted experts as a policy of `env` (they read the simulator's state, not the frames)."""
+    def policy(images: np.ndarray, instructions: list[str]) -> np.ndarray:
+        return np.stack([sim.expert_action() for sim in env.sims])
+    return policy
+
+
+def run_rollouts(make_policy, scenes: list[dict], max_steps: int = 200, image_size: int = 64, camera: str = "corner2",
+                 frames: int = 0) -> dict:
+    """Closed loop on Meta-World scenes ({"task", "seed"} records): `make_policy(env)` gives the policy
+    (jaxpar.robot.rollout's interface; a chunk runs open loop). Returns success_rate, per_task
+    {task: success rate}, mean_steps (over the successes), success [B], steps [B], policy_calls,
+    actions_per_second, seconds, and with `frames` > 0 the first `frames` scenes' camera frames."""
+    import time
+
+    from jaxpar.robot.rollout import step_closed_loop
+
+    with MetaWorldEnv(scenes, image_size, camera) as env:
+        recorded, start = [], time.perf_counter()
+        taken, calls = step_closed_loop(env, make_policy(env), max_steps, frames, recorded)
+        seconds = time.perf_counter() - start
+        success, steps = env.done.copy(), env.steps.copy()
+    tasks = [scene["task"] for scene in scenes]
+    result = {"success_rate": float(success.mean()), "success": success, "steps": steps,
+              "per_task": {task: float(success[[t == task for t in tasks]].mean()) for task in dict.fromkeys(tasks)},
+              "mean_steps": float(steps[success].mean()) if success.any() else float("nan"),
+              "policy_calls": calls, "actions_per_second": taken * len(scenes) / seconds, "seconds": seconds}
+    if frames:
+        result["frames"] = np.stack(recorded)
+    return result

@@ -47,22 +47,9 @@ def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = 
     `seconds`, and with `frames` > 0 the camera-0 `frames` uint8 [T + 1, frames, H, W, 3] of the
     first `frames` scenes (T: the steps taken, fewer than max_steps once every scene is done)."""
     env = TaskEnv(shape, scenes)
-    instructions = env.instructions
     path, recorded, start = [env.effector.copy()], [], time.perf_counter()
-    taken = calls = 0
-    while taken < max_steps and not env.done.all():
-        images = env.render()
-        actions = np.asarray(policy(images, instructions))
-        calls += 1
-        for step_actions in (actions if actions.ndim == 3 else actions[:, None]).transpose(1, 0, 2):  # open loop
-            if taken == max_steps or env.done.all():
-                break
-            recorded.append(images[:frames, 0])
-            env.step(step_actions)
-            taken += 1
-            path.append(env.effector.copy())
-            images = env.render() if frames else images  # only the recording needs the frames inside a chunk
-    recorded.append(env.render()[:frames, 0])
+    taken, calls = step_closed_loop(env, policy, max_steps, frames, recorded,
+                                    after_step=lambda: path.append(env.effector.copy()))
     success = env.done.copy()
     expert = np.array([expert_steps(scene) for scene in scenes])
     result = {"success_rate": float(success.mean()), "success": success, "steps": env.steps.copy(),
@@ -73,6 +60,28 @@ def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = 
     if frames:
         result["frames"] = np.stack(recorded)
     return result
+
+
+def step_closed_loop(env, policy, max_steps: int, frames: int, recorded: list, after_step=None) -> tuple[int, int]:
+    """Step `policy` in `env` (TaskEnv, or jaxpar.robot.metaworld.MetaWorldEnv) until every scene is done or
+    `max_steps` steps; (steps taken, policy calls). A chunk [B, H, dims] runs open loop, H steps per call.
+    The camera-0 frames of the first `frames` scenes go into `recorded`, one per step and the last."""
+    instructions, taken, calls = env.instructions, 0, 0
+    while taken < max_steps and not env.done.all():
+        images = env.render()
+        actions = np.asarray(policy(images, instructions))
+        calls += 1
+        for step_actions in (actions if actions.ndim == 3 else actions[:, None]).transpose(1, 0, 2):  # open loop
+            if taken == max_steps or env.done.all():
+                break
+            recorded.append(images[:frames, 0])
+            env.step(step_actions)
+            taken += 1
+            if after_step is not None:
+                after_step()
+            images = env.render() if frames else images  # only the recording needs the frames inside a chunk
+    recorded.append(env.render()[:frames, 0])
+    return taken, calls
 
 
 def model_policy(config, weights, predict=None, place=None):
