@@ -142,3 +142,29 @@ def test_closed_loop_replays_held_out_scenes_and_the_expert_succeeds(splits):
     chunked = metaworld.run_rollouts(replay, scenes, max_steps=150, image_size=SIZE)
     np.testing.assert_array_equal(chunked["steps"], [s["steps"] for s in scenes])
     assert chunked["policy_calls"] == -(-longest // 8)
+
+
+@pytest.mark.slow  # a minute: the trainer's compile and 200 closed-loop steps
+def test_training_evaluates_meta_world_in_closed_loop(splits, tmp_path):
+    """configs/vla_metaworld.py's path at toy size: a chunked VLA trains on a Meta-World split, and its
+    evaluation replays held-out scenes round-robin over the tasks and logs a success rate per task."""
+    from jaxpar.config import load_config
+    from jaxpar.parallel.mesh import Layout
+    from jaxpar.robot.metaworld_eval import round_robin
+    from jaxpar.training.loop import train
+
+    out, _ = splits
+    config = load_config("vla_metaworld", [f"data.train={out / 'train'}", f"data.eval={out / 'heldout'}",
+                                           "train.steps=2", "train.global_batch_size=8", "eval.rollouts=2",
+                                           "eval.batches=1", "mesh.dp=2", "mesh.tp=1", "model.d_model=32",
+                                           "model.n_layers=1", "model.d_ff=64", "vision.width=32", "vision.depth=1",
+                                           "vision.mlp_dim=64", "vision.projector_dim=32", "vision.image_size=16",
+                                           "vision.patch_size=4", "actions.chunk=4"])
+    train(config, Layout.for_config(config).make_mesh(), tmp_path, show_progress=False)
+    last = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert set(last) >= {"eval_success_rate", "eval_policy_calls", *(f"eval_success_rate/{t}" for t in TASKS)}
+    assert last["eval_policy_calls"] == -(-200 // 4) or last["eval_success_rate"] > 0  # 200 steps, 4 a call
+    records = read_episode_seeds(out / "heldout")
+    assert [r["task"] for r in round_robin(records, 2)] == list(TASKS)
+    with pytest.raises(ConfigError, match="eval.rollouts=3 but the Meta-World split has 2"):
+        round_robin(records, 3)

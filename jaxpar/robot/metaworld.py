@@ -227,7 +227,7 @@ def run_rollouts(make_policy, scenes: list[dict], max_steps: int = 200, image_si
     actions_per_second, seconds, and with `frames` > 0 the first `frames` scenes' camera frames."""
     import time
 
-    from jaxpar.robot.rollout import step_closed_loop
+    from jaxpar.robot.closed_loop import step_closed_loop
 
     with MetaWorldEnv(scenes, image_size, camera) as env:
         recorded, start = [], time.perf_counter()

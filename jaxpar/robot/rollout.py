@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from jaxpar.cli import OneLineArgumentParser, main_with_one_line_errors
+from jaxpar.robot.closed_loop import step_closed_loop
 from jaxpar.robot.env import TaskEnv, TaskShape, draw_scenes, expert_steps, random_policy, split_task
 from jaxpar.errors import ConfigError
 
@@ -60,28 +61,6 @@ def run_rollouts(policy, scenes: list[dict], max_steps: int, shape: TaskShape = 
     if frames:
         result["frames"] = np.stack(recorded)
     return result
-
-
-def step_closed_loop(env, policy, max_steps: int, frames: int, recorded: list, after_step=None) -> tuple[int, int]:
-    """Step `policy` in `env` (TaskEnv, or jaxpar.robot.metaworld.MetaWorldEnv) until every scene is done or
-    `max_steps` steps; (steps taken, policy calls). A chunk [B, H, dims] runs open loop, H steps per call.
-    The camera-0 frames of the first `frames` scenes go into `recorded`, one per step and the last."""
-    instructions, taken, calls = env.instructions, 0, 0
-    while taken < max_steps and not env.done.all():
-        images = env.render()
-        actions = np.asarray(policy(images, instructions))
-        calls += 1
-        for step_actions in (actions if actions.ndim == 3 else actions[:, None]).transpose(1, 0, 2):  # open loop
-            if taken == max_steps or env.done.all():
-                break
-            recorded.append(images[:frames, 0])
-            env.step(step_actions)
-            taken += 1
-            if after_step is not None:
-                after_step()
-            images = env.render() if frames else images  # only the recording needs the frames inside a chunk
-    recorded.append(env.render()[:frames, 0])
-    return taken, calls
 
 
 def model_policy(config, weights, predict=None, place=None):
@@ -253,7 +232,8 @@ class TrainingRollouts:
     host memory once per evaluation, one leaf per program (a gather of one array: nothing to order),
     and every process rolls out on its own first device with no collective at all: the same program on
     the same weights and frames gives every process the same actions, and only process 0 logs them.
-    The scenes are drawn once, from train.seed, skipping data.train's scenes."""
+    The scenes are drawn once, from train.seed, skipping data.train's scenes; with a Meta-World data.eval
+    split they are its held-out scenes (jaxpar.robot.metaworld_eval)."""
 
     def __init__(self, config, builder):
         import jax
@@ -261,12 +241,17 @@ class TrainingRollouts:
 
         from jaxpar.inference import decode
 
-        exclude, self.note = train_scenes(config)
-        grid = config.vision.image_size // config.vision.patch_size
+        from jaxpar.robot.metaworld_eval import MetaWorldRollouts, is_metaworld_split
+
         self.config, self.builder = config, builder
-        self.shape = TaskShape.from_config(config, split_task(exclude, grid))
-        self.scenes = draw_scenes(config.eval.rollouts, config.train.seed + SEED_SALT, self.shape, exclude)
-        self.max_steps = 2 * self.shape.grid
+        self.metaworld = MetaWorldRollouts(config) if is_metaworld_split(config.data.eval) else None
+        self.note = None
+        if self.metaworld is None:  # the procedural task
+            exclude, self.note = train_scenes(config)
+            grid = config.vision.image_size // config.vision.patch_size
+            self.shape = TaskShape.from_config(config, split_task(exclude, grid))
+            self.scenes = draw_scenes(config.eval.rollouts, config.train.seed + SEED_SALT, self.shape, exclude)
+            self.max_steps = 2 * self.shape.grid
         self.on_layout = builder.mesh.devices.flat[0].platform != "cpu"
         self.replicated = NamedSharding(builder.mesh, PartitionSpec())
         self.predict = jax.jit(decode.predict_actions, static_argnums=3,
@@ -298,11 +283,15 @@ class TrainingRollouts:
     def run(self, params) -> dict:
         """The metrics logged at an evaluation."""
         result = self.rollout(params)
+        per_task = {f"eval_success_rate/{task}": rate for task, rate in result.get("per_task", {}).items()}
         return {"eval_success_rate": result["success_rate"], "eval_steps_to_success": result["mean_steps"],
-                "eval_rollout_seconds": result["seconds"], "eval_policy_calls": result["policy_calls"]}
+                "eval_rollout_seconds": result["seconds"], "eval_policy_calls": result["policy_calls"], **per_task}
 
     def rollout(self, params) -> dict:
-        """run_rollouts' result for the training state's params, as they are laid out."""
+        """run_rollouts' result for the training state's params, as they are laid out (Meta-World's
+        run_rollouts for a Meta-World data.eval: jaxpar.robot.metaworld_eval)."""
+        if self.metaworld is not None:
+            return self.metaworld.run(self.policy(params))
         return run_rollouts(self.policy(params), self.scenes, self.max_steps, self.shape)
 
 

@@ -1,0 +1,68 @@
+"""Meta-World closed loop inside training (eval.rollouts with a Meta-World data.eval split, issue 49 item 3).
+
+When data.eval is a split written by jaxpar.robot.metaworld_demos, every evaluation replays `eval.rollouts`
+of its held-out scenes (episodes.jsonl), taken round-robin over the tasks so each task is scored. The scenes
+are rendered as the split's videos were (its camera, its size), then brought to vision.image_size with the
+LeRobot reader's own resize (jaxpar.data.video.resize), so the policy sees frames made as in training
+(less the codec's loss). Each scene gets MAX_STEPS steps, Meta-World's usual budget for MT10.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from jaxpar.errors import ConfigError
+from jaxpar.robot import metaworld
+from jaxpar.robot.metaworld_demos import EPISODES_FILE, read_episode_seeds
+
+MAX_STEPS = 200
+
+
+def is_metaworld_split(directory) -> bool:
+    directory = pathlib.Path(directory) if directory else None
+    return bool(directory) and (directory / EPISODES_FILE).is_file() and (directory / "meta" / "info.json").is_file()
+
+
+def round_robin(records: list[dict], count: int) -> list[dict]:
+    """`count` records, one task after another (each task's in file order), so every task is scored."""
+    by_task: dict[str, list[dict]] = {}
+    for record in records:
+        by_task.setdefault(record["task"], []).append(record)
+    picked = [queue[i] for i in range(max(map(len, by_task.values()))) for queue in by_task.values() if i < len(queue)]
+    if count > len(picked):
+        raise ConfigError(f"eval.rollouts={count} but the Meta-World split has {len(picked)} held-out scenes; "
+                          f"ask for fewer or write more with --heldout")
+    return picked[:count]
+
+
+def split_camera(directory) -> tuple[str, int]:
+    """(Meta-World camera, frame size) of the split's one video feature (observation.images.<camera>)."""
+    info = json.loads((pathlib.Path(directory) / "meta" / "info.json").read_text())
+    videos = [(key, feature) for key, feature in info["features"].items() if feature["dtype"] == "video"]
+    key, feature = videos[0]
+    return key.rsplit(".", 1)[-1], int(feature["shape"][0])
+
+
+class MetaWorldRollouts:
+    """What TrainingRollouts runs for a Meta-World split: the scenes, and the closed loop for a policy."""
+
+    def __init__(self, config):
+        self.config, directory = config, config.data.eval
+        self.scenes = round_robin(read_episode_seeds(directory), config.eval.rollouts)
+        self.camera, self.render_size = split_camera(directory)
+
+    def run(self, policy) -> dict:
+        """metaworld.run_rollouts with `policy` (model_policy's interface) on frames resized as in training."""
+        from PIL import Image
+
+        from jaxpar.data.video import resize
+
+        size, method = self.config.vision.image_size, self.config.vision.resize
+
+        def seen(images: np.ndarray, instructions: list[str]) -> np.ndarray:
+            frames = np.stack([[resize(Image.fromarray(frame), size, method) for frame in cams] for cams in images])
+            return policy(frames, instructions)
+        return metaworld.run_rollouts(lambda env: seen, self.scenes, MAX_STEPS, self.render_size, self.camera)
