@@ -96,6 +96,19 @@ def test_chunked_vla_matches_single_device(mesh, schedule, vision_tp):
     jax.tree_util.tree_map_with_path(check, grads, ref_grads)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["all_gather", "ring", "ulysses"])
+def test_chunked_vla_under_context_parallelism_matches_single_device(strategy):
+    """The whole sequence is the bidirectional prefix: under cp every query chunk sees every key block."""
+    ref_losses, ref_grads, _ = base.reference(SINGLE)
+    config = base.with_values(CONFIG, mesh=dict(dp=2, pp=1, tp=2, cp=2, cp_strategy=strategy),
+                              pipeline=dict(microbatches=1))
+    losses, grads, _ = base.run(config, single=SINGLE)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * np.max(np.abs(e))),
+                 grads, ref_grads)
+
+
 def test_decoding_a_chunk_reads_the_training_forward():
     """predict_actions' one call gives the tokens the training forward's logits pick at the slots, so a
     model that learned the loss acts as it learned."""
