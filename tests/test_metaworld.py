@@ -4,6 +4,7 @@ The splits are read back with jaxpar's LeRobot reader and pyarrow, and checked a
 each episode's recorded seed replays to the same actions and states, and its frames decode to what the
 camera rendered."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -145,7 +146,7 @@ def test_closed_loop_replays_held_out_scenes_and_the_expert_succeeds(splits):
 
 
 @pytest.mark.slow  # a minute: the trainer's compile and 200 closed-loop steps
-def test_training_evaluates_meta_world_in_closed_loop(splits, tmp_path):
+def test_training_evaluates_meta_world_in_closed_loop(splits, tmp_path, capsys):
     """configs/vla_metaworld.py's path at toy size: a chunked VLA trains on a Meta-World split, and its
     evaluation replays held-out scenes round-robin over the tasks and logs a success rate per task."""
     from jaxpar.config import load_config
@@ -160,6 +161,7 @@ def test_training_evaluates_meta_world_in_closed_loop(splits, tmp_path):
                                            "model.n_layers=1", "model.d_ff=64", "vision.width=32", "vision.depth=1",
                                            "vision.mlp_dim=64", "vision.projector_dim=32", "vision.image_size=16",
                                            "vision.patch_size=4", "actions.chunk=4"])
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(config)))  # as jaxpar.train writes it
     train(config, Layout.for_config(config).make_mesh(), tmp_path, show_progress=False)
     last = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
     assert set(last) >= {"eval_success_rate", "eval_policy_calls", *(f"eval_success_rate/{t}" for t in TASKS)}
@@ -168,3 +170,10 @@ def test_training_evaluates_meta_world_in_closed_loop(splits, tmp_path):
     assert [r["task"] for r in round_robin(records, 2)] == list(TASKS)
     with pytest.raises(ConfigError, match="eval.rollouts=3 but the Meta-World split has 2"):
         round_robin(records, 3)
+    # the rollout CLI on the run: its held-out Meta-World scenes, chunks open loop
+    from jaxpar.robot import rollout
+
+    assert rollout.main(["--workdir", str(tmp_path), "--scenes", "2", "--max_steps", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["scenes"] == 2 and set(report["per_task"]) == set(TASKS) and report["max_steps"] == 8
+    assert report["policy_calls"] == 2 or report["success_rate"] > 0  # 8 steps in chunks of 4

@@ -49,8 +49,8 @@ def split_camera(directory) -> tuple[str, int]:
 class MetaWorldRollouts:
     """What TrainingRollouts runs for a Meta-World split: the scenes, and the closed loop for a policy."""
 
-    def __init__(self, config):
-        self.config, directory = config, config.data.eval
+    def __init__(self, config, max_steps: int = MAX_STEPS):
+        self.config, directory, self.max_steps = config, config.data.eval, max_steps
         self.scenes = round_robin(read_episode_seeds(directory), config.eval.rollouts)
         self.camera, self.render_size = split_camera(directory)
 
@@ -65,4 +65,23 @@ class MetaWorldRollouts:
         def seen(images: np.ndarray, instructions: list[str]) -> np.ndarray:
             frames = np.stack([[resize(Image.fromarray(frame), size, method) for frame in cams] for cams in images])
             return policy(frames, instructions)
-        return metaworld.run_rollouts(lambda env: seen, self.scenes, MAX_STEPS, self.render_size, self.camera)
+        return metaworld.run_rollouts(lambda env: seen, self.scenes, self.max_steps, self.render_size, self.camera)
+
+
+def evaluate_metaworld(args, config, step: int, weights, model_policy) -> dict:
+    """`python -m jaxpar.rollout` on a run trained on a Meta-World split: --scenes of its data.eval's held-out
+    scenes (round-robin over the tasks, so --seed does not apply), --max_steps (default MAX_STEPS) each."""
+    from dataclasses import replace
+
+    if args.gif:
+        raise ConfigError("--gif draws the procedural task's rollouts; for a Meta-World run leave it out (Meta-World "
+                          "GIFs are not written yet)")
+    config = replace(config, eval=replace(config.eval, rollouts=args.scenes))
+    rollouts = MetaWorldRollouts(config, args.max_steps or MAX_STEPS)
+    result = rollouts.run(model_policy(config, weights))
+    return {"workdir": str(args.workdir), "step": int(step), "data": config.data.eval, "scenes": len(rollouts.scenes),
+            "max_steps": rollouts.max_steps, "success_rate": result["success_rate"], "per_task": result["per_task"],
+            "policy_calls": result["policy_calls"], "actions_per_second": round(result["actions_per_second"], 1),
+            "seconds": round(result["seconds"], 3),
+            "per_scene": [{**scene, "success": bool(ok), "steps": int(n) if ok else None}
+                          for scene, ok, n in zip(rollouts.scenes, result["success"], result["steps"])]}

@@ -197,6 +197,10 @@ def evaluate(args) -> dict:
     """Restore the run, draw the held-out scenes, roll out; the CLI's result as plain JSON types."""
     workdir = pathlib.Path(args.workdir)
     config = run_config(workdir)
+    from jaxpar.robot.metaworld_eval import evaluate_metaworld, is_metaworld_split
+
+    if is_metaworld_split(config.data.eval):
+        return evaluate_metaworld(args, config, *restore(workdir, args.checkpoint_step), model_policy)
     exclude, note = train_scenes(config)
     shape = TaskShape.from_config(config, split_task(exclude, config.vision.image_size // config.vision.patch_size))
     scenes = draw_scenes(args.scenes, args.seed + SEED_SALT, shape, exclude)
@@ -300,6 +304,11 @@ def _json(x: float) -> float | None:
 
 
 def summary(out: dict) -> str:
+    if "per_task" in out:  # Meta-World
+        tasks = ", ".join(f"{task} {rate:.0%}" for task, rate in out["per_task"].items())
+        return (f"step {out['step']}: success rate {out['success_rate']:.1%} on {out['scenes']} held-out Meta-World "
+                f"scenes of {out['data']} (at most {out['max_steps']} steps): {tasks}; {out['policy_calls']} policy "
+                f"calls, {out['actions_per_second']:.0f} actions a second")
     successes = sum(s["success"] for s in out["per_scene"])
     steps = (f"mean steps to success {out['mean_steps']:.2f} (the expert's on those scenes: "
              f"{out['expert_mean_steps']:.2f})" if successes else "no success")
