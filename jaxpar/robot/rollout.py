@@ -207,7 +207,9 @@ def evaluate(args) -> dict:
     max_steps = args.max_steps or 2 * shape.grid
     step, weights = restore(workdir, args.checkpoint_step)
     frames = min(args.gif_scenes, args.scenes) if args.gif else 0
-    result = run_rollouts(model_policy(config, weights), scenes, max_steps, shape, frames)
+    policy, first = model_policy(config, weights), TaskEnv(shape, scenes)
+    policy(first.render(), first.instructions)  # compiled before the clock starts: seconds and actions a second
+    result = run_rollouts(policy, scenes, max_steps, shape, frames)
     chance = run_rollouts(random_policy(shape, args.seed), scenes, max_steps, shape)
     if args.gif:
         write_gif(pathlib.Path(args.gif), result)
