@@ -167,6 +167,10 @@ def test_rollouts_run_a_chunk_open_loop():
     assert chunked["success_rate"] == 1.0
     longest = max(task.expert_steps(s) for s in scenes)
     assert one["policy_calls"] == longest and chunked["policy_calls"] == math.ceil(longest / CHUNK)
+    # stopping inside a chunk: 6 steps of chunks of 4 that never close the gripper, one frame a step and the last
+    still = rollout.run_rollouts(lambda images, ids: -np.ones((len(ids), CHUNK, shape.dims), np.float32), scenes, 6,
+                                 shape, frames=2)
+    assert still["policy_calls"] == 2 and still["frames"].shape[:2] == (7, 2) and len(still["trajectories"]) == 7
 
 
 def test_chunk_mistakes_are_one_line_errors():
@@ -190,3 +194,20 @@ def test_the_config_key_reaches_the_data(tmp_path):
     batch = episode_batch(config, stacked, with_values=True)
     assert batch["mask"].sum() == stacked["action_valid"].sum() * config.actions.dims
     assert dataclasses.asdict(config)["actions"]["chunk"] == CHUNK
+
+
+def test_a_whole_sequence_prefix_runs_unmasked_attention():
+    """With chunks every position sees every other: the kernel gets no mask (a dense all-True bias would be
+    handed to cuDNN), and the result is the masked call's."""
+    from jaxpar.compiler.attention_choice import sites
+    from jaxpar.layers import attention
+
+    assert sites(CONFIG)[0].mask == "none" and sites(base.BASE)[0].mask == "prefix"
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(2, 12, 4, 8)).astype(np.float32) for _ in range(3))
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention.core_attention(q, k, v, "xla"))(q, k, v))
+    masked = attention.core_attention(q, k, v, "xla", mask=attention.prefix_lm_mask(12, 12))
+    np.testing.assert_allclose(attention.core_attention(q, k, v, "xla"), masked, rtol=1e-6, atol=1e-6)
+    layer = jax.make_jaxpr(lambda x, p: attention.attention(x, p, 1e4, Collectives(), prefix_len=12))
+    params = {"wq": q[0, :8], "wk": k[0, :8], "wv": v[0, :8], "wo": np.ones((4, 8, 8), np.float32)}
+    assert "bool[1,1,12,12]" not in str(layer(q[:, :, 0], params)) and "bool" not in jaxpr

@@ -80,6 +80,8 @@ def sites(config: Config) -> list[Site]:
     model = config.model
     if model.kind == "vla":
         seq, mask = vla.sequence_layout(config)[2], "prefix" if model.prefix_lm else "causal"
+        if vla.prefix_len(config) >= seq:  # action chunks: every position sees every other (jaxpar.layers.attention)
+            mask = "none"
     else:
         seq, mask = config.train.seq_len, "causal"
     if config.mesh.cp > 1 and config.mesh.cp_strategy != "ulysses":  # jaxpar.layers.ring: causal or unmasked

@@ -37,6 +37,8 @@ class ChunkedSource:
         return {**self.source[record], "actions": actions, "action_valid": valid}
 
     def __getattr__(self, name: str):
-        if name == "source":  # not yet set (unpickling): no recursion through the line below
+        # "source" is not yet set while unpickling (no recursion below); private and protocol names (grain
+        # looks for _getitems) are not forwarded, so no read can skip the chunking
+        if name == "source" or name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.source, name)

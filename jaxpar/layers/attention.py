@@ -128,6 +128,8 @@ def attention(x_BxSxD: jax.Array, p: dict, rope_theta: float, coll: Collectives,
     k_BxSxKxH = rope(k_BxSxKxH, rope_theta, rope_scaling, positions_S)
     if positions_S is not None:  # context parallelism: causal blocks over cp, the prefix beside them
         o_BxSxNxH = context_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, positions_S, coll, prefix_len, impl)
+    elif prefix_len >= seq_len:  # the whole sequence is the prefix (a VLA's action chunks): no mask at all
+        o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl)
     elif prefix_len > 0:
         mask = prefix_lm_mask(seq_len, prefix_len)
         o_BxSxNxH = core_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, impl, mask=mask)

@@ -85,7 +85,11 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
     act = config.actions
     tokenizer = ActionTokenizer(act, config.model.vocab_size)
     batch_size = instructions.shape[0]
-    action_ids = tokenizer.bins_to_tokens(tokenizer.to_bins(np.asarray(actions).reshape(batch_size, -1, act.dims)))
+    steps = np.asarray(actions).reshape(batch_size, -1, act.dims)
+    if steps.shape[1] != act.chunk:
+        raise ValueError(f"make_batch got {steps.shape[1]} steps of actions per example for actions.chunk={act.chunk}"
+                         f"; give [B, {act.dims}] for chunk 1, else [B, chunk, {act.dims}] (jaxpar.data.chunks)")
+    action_ids = tokenizer.bins_to_tokens(tokenizer.to_bins(steps))
     action_ids = action_ids.reshape(batch_size, -1)  # [B, H x dims], step-major
     n_image, _, _ = sequence_layout(config)
     if act.chunk == 1:

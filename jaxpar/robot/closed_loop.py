@@ -19,6 +19,8 @@ def step_closed_loop(env, policy, max_steps: int, frames: int, recorded: list, a
         images = env.render()
         actions = np.asarray(policy(images, instructions))
         calls += 1
+        if actions.ndim == 3 and actions.shape[1] == 0:
+            raise ValueError("the policy returned an empty chunk [B, 0, dims]; return at least one step")
         for step_actions in (actions if actions.ndim == 3 else actions[:, None]).transpose(1, 0, 2):  # open loop
             if taken == max_steps or env.done.all():
                 break

@@ -28,6 +28,9 @@ def is_metaworld_split(directory) -> bool:
 
 def round_robin(records: list[dict], count: int) -> list[dict]:
     """`count` records, one task after another (each task's in file order), so every task is scored."""
+    if not records:
+        raise ConfigError("the Meta-World split's episodes.jsonl lists no scene; write the split again with "
+                          "python -m jaxpar.robot.metaworld_demos")
     by_task: dict[str, list[dict]] = {}
     for record in records:
         by_task.setdefault(record["task"], []).append(record)
