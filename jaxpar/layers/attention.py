@@ -96,8 +96,9 @@ def context_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax
     more, and no kernel ever gets a mask."""
     if coll.context_strategy == "ulysses":  # the whole sequence for 1/cp of the heads: attention as on one device
         q, k, v = ulysses.heads_from_sequence(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, coll.context_axis)
-        mask = prefix_lm_mask(q.shape[1], prefix_len) if prefix_len else None
-        o_BxSxNxH = core_attention(q, k, v, implementation, mask=mask, is_causal=mask is None)
+        whole = prefix_len >= q.shape[1]  # the whole sequence is the prefix (action chunks): no mask at all
+        mask = prefix_lm_mask(q.shape[1], prefix_len) if prefix_len and not whole else None
+        o_BxSxNxH = core_attention(q, k, v, implementation, mask=mask, is_causal=mask is None and not whole)
         return ulysses.sequence_from_heads(o_BxSxNxH, coll.context_axis)
     causal_BxSxNxH, prefix = coll.context_attention(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, prefix_len, implementation)
     if prefix is None:
