@@ -21,14 +21,15 @@ def step_closed_loop(env, policy, max_steps: int, frames: int, recorded: list, a
         calls += 1
         if actions.ndim == 3 and actions.shape[1] == 0:
             raise ValueError("the policy returned an empty chunk [B, 0, dims]; return at least one step")
-        for step_actions in (actions if actions.ndim == 3 else actions[:, None]).transpose(1, 0, 2):  # open loop
-            if taken == max_steps or env.done.all():
+        for index, step_actions in enumerate((actions if actions.ndim == 3 else actions[:, None]).transpose(1, 0, 2)):
+            if taken == max_steps or env.done.all():  # (the chunk runs open loop)
                 break
+            if index and frames:  # only the recording needs the frames inside a chunk
+                images = env.render()
             recorded.append(images[:frames, 0])
             env.step(step_actions)
             taken += 1
             if after_step is not None:
                 after_step()
-            images = env.render() if frames else images  # only the recording needs the frames inside a chunk
     recorded.append(env.render()[:frames, 0])
     return taken, calls
