@@ -25,6 +25,10 @@ RULES: dict[str, str | None] = {
     "layers": "pp",
     "embed": None,
     "head_dim": None,
+    # a VLA's l1 action head (jaxpar.models.vla.ACTION_HEAD_AXES): its hidden dim split like the vocabulary (the head
+    # it stands beside, computed where the LM head is), its per-dim outputs replicated
+    "action_mlp": "tp",
+    "action_dims": None,
     # fp8.recipe=delayed's counters (jaxpar.models.llama.FP8_LIVES): replicated over tp like a norm (each
     # linear's tp shards combine theirs in the gradient's sum), stacked over pp with their layers
     "fp8_linears": None,
@@ -101,6 +105,7 @@ def llm_rules(mesh, n_kv_heads: int | None = None) -> Rules:
         table["kv_heads"] = tp if ways == tp_size else "tp" if ways > 1 else None
     if mesh.shape.get("pp", 1) > 1:
         table["vocab"] = ("pp",) + (tp if isinstance(tp, tuple) else (tp,))
+        table["action_mlp"] = table["vocab"]
     return Rules(table, zero_mesh=data_axes(mesh))
 
 

@@ -260,6 +260,14 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
     # the encoder's and projector's counters: summed over the data axes, then in one all-reduce over its tp
     "fp8 delayed VLA 1f1b": lambda: _delayed(_vla(mesh=dict(dp=2, pp=2, tp=2), vision=dict(tp=2),
                                                   pipeline=dict(schedule="1f1b"), zero=dict(stage=1))),
+    # the l1 action head (issue 49): its MLP's ZeRO gathers / taps and its sum over the head's pp x tp
+    "VLA l1 head 1f1b": lambda: _vla(mesh=dict(dp=2, pp=2, tp=2), vision=dict(tp=2), pipeline=dict(schedule="1f1b"),
+                                     zero=dict(stage=1), actions=dict(chunk=4, head="l1")),
+    "VLA l1 head ZeRO-3": lambda: _vla(mesh=dict(dp=4, pp=1, tp=2), vision=dict(tp=1), pipeline=dict(microbatches=1),
+                                       zero=dict(stage=3), actions=dict(chunk=4, head="l1")),
+    "VLA l1 head ZeRO-2, sequence parallel": lambda: _vla(mesh=dict(dp=2, pp=1, tp=4, sequence_parallel=True),
+                                                          vision=dict(tp=2), pipeline=dict(microbatches=1),
+                                                          zero=dict(stage=2), actions=dict(head="l1")),
 }
 
 

@@ -173,7 +173,13 @@ def test_training_evaluates_meta_world_in_closed_loop(splits, tmp_path, capsys):
     # the rollout CLI on the run: its held-out Meta-World scenes, chunks open loop
     from jaxpar.robot import rollout
 
-    assert rollout.main(["--workdir", str(tmp_path), "--scenes", "2", "--max_steps", "8", "--json"]) == 0
+    gif = tmp_path / "rollouts.gif"
+    assert rollout.main(["--workdir", str(tmp_path), "--scenes", "2", "--max_steps", "8", "--json", "--gif", str(gif),
+                         "--gif_scenes", "2"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["scenes"] == 2 and set(report["per_task"]) == set(TASKS) and report["max_steps"] == 8
     assert report["policy_calls"] == 2 or report["success_rate"] > 0  # 8 steps in chunks of 4
+    from PIL import Image
+
+    with Image.open(gif) as image:  # both scenes side by side, a frame per step until the last one stops
+        assert image.n_frames == max(s["steps"] or 8 for s in report["per_scene"]) + 1 and image.width > 2 * SIZE

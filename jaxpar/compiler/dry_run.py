@@ -25,7 +25,7 @@ from jaxpar.compiler.gpu_aot import GpuTarget
 from jaxpar.config import Config, to_dict
 from jaxpar.files import write_atomic
 from jaxpar.layers import order
-from jaxpar.models import llama, vit
+from jaxpar.models import llama, vit, vla
 from jaxpar.models.flops import model_flops_per_step
 from jaxpar.parallel.pipeline import SLOT_SCOPES, activation_collectives, measured_slot_flops
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
@@ -61,8 +61,10 @@ def zero_formula_bytes(config: Config, psi_local: int, dp: int) -> dict[str, flo
 
 def local_param_count(builder: StepBuilder) -> int:
     """Psi of the ZeRO formulas: parameters one device holds before any dp sharding (tp/pp only)."""
-    specs = tree_specs(llama.param_axes(), False, unused_mesh_axes(builder.mesh), builder.specs_rules)  # (no FP8 counters)
-    shapes = llama.param_shapes(builder.config.model)
+    axes, shapes = llama.param_axes(), llama.param_shapes(builder.config.model)  # (no FP8 counters)
+    if vla.ACTION_HEAD in builder.axes:  # the l1 head's MLP, the LLM's too
+        axes[vla.ACTION_HEAD], shapes[vla.ACTION_HEAD] = vla.ACTION_HEAD_AXES, vla.action_head_shapes(builder.config)
+    specs = tree_specs(axes, False, unused_mesh_axes(builder.mesh), builder.specs_rules)
     counts = jax.tree.map(lambda spec, shape: math.prod(NamedSharding(builder.mesh, spec).shard_shape(shape)),
                           specs, shapes, is_leaf=lambda x: isinstance(x, P))
     return int(sum(jax.tree.leaves(counts)))
@@ -72,6 +74,8 @@ def total_param_count(config: Config) -> int:
     count = llama.param_count(config.model)
     if config.model.kind == "vla":
         count += vit.param_count(config.vision, config.model.d_model)
+        if config.actions.head == "l1":
+            count += sum(math.prod(shape) for shape in vla.action_head_shapes(config).values())
     return count
 
 

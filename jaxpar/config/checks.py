@@ -4,7 +4,7 @@ a mistake costs no JAX start-up. jaxpar.config re-exports `validate` and the hel
 
 from __future__ import annotations
 
-from jaxpar.config.schema import (ATTENTION_KINDS, FP8_BINS, FP8_GATHERS, FP8_RECIPES, NAN_GUARDS, OFFLOAD_UPDATES,
+from jaxpar.config.schema import (ACTION_HEADS, ATTENTION_KINDS, FP8_BINS, FP8_GATHERS, FP8_RECIPES, NAN_GUARDS, OFFLOAD_UPDATES,
                                   PIPELINE_SCHEDULES, REMAT_POLICIES, RESIZE_FILTERS, ActionConfig, Config, VisionConfig,
                                   vla_sequence_layout)
 from jaxpar.errors import ConfigError
@@ -231,6 +231,10 @@ def _validate_vla(config: Config) -> None:
                                            f"pipeline.microbatches instead, or use train.grad_accum=1")
     _require(vis.zero.stage in (0, 1, 2), f"vision.zero.stage={vis.zero.stage}: the vision encoder supports "
                                           f"ZeRO 0, 1 or 2")
+    _require(act.head in ACTION_HEADS, f"actions.head={act.head!r} is unknown; use one of {', '.join(ACTION_HEADS)}")
+    _require(act.head == "tokens" or not model.text_loss,
+             f"model.text_loss needs the LM head's logits on the instruction, which actions.head={act.head} does not "
+             f"compute; set model.text_loss=false, or actions.head=tokens")
     _validate_vla_inits(config)
     _validate_pixels(vis)
     _require(vis.remat.policy in REMAT_POLICIES, f"vision.remat.policy='{vis.remat.policy}' is unknown; "
@@ -242,9 +246,9 @@ def _validate_vla(config: Config) -> None:
     _require(act.dims >= 1 and act.instruction_len >= 1 and act.high > act.low,
              "actions.dims and actions.instruction_len must be >= 1 and actions.high > actions.low")
     _require(act.chunk >= 1, f"actions.chunk={act.chunk}: predict at least 1 step per call")
-    _require(act.chunk == 1 or model.prefix_lm,
-             f"actions.chunk={act.chunk} decodes its slots at once, each seeing the others (bidirectional), which "
-             f"needs model.prefix_lm=true; set it, or actions.chunk=1")
+    _require(not act.parallel_slots or model.prefix_lm,
+             f"actions.chunk={act.chunk} with actions.head={act.head} decodes its slots at once, each seeing the others "
+             f"(bidirectional), which needs model.prefix_lm=true; set it, or actions.chunk=1 with the tokens head")
     _validate_action_range(act)
     data_ways = mesh.size // vis.tp  # devices that split the images
     per_dp = config.train.global_batch_size // mesh.dp

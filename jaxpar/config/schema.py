@@ -83,6 +83,7 @@ class TrainConfig:
 
 
 NAN_GUARDS = ("auto", "cond", "select")
+ACTION_HEADS = ("tokens", "l1")  # ActionConfig.head
 
 
 def nan_guard_for(train: TrainConfig, platform: str) -> str:
@@ -210,6 +211,10 @@ class ActionConfig:
     # actions predicted per call (H): 1 decodes one step's tokens one by one (OpenVLA); H > 1 decodes the next H
     # steps' H x dims tokens at once from placeholder slots attending to each other (OpenVLA-OFT's parallel decoding)
     chunk: int = 1
+    # what predicts the actions: tokens (the action bins' ids, cross-entropy: OpenVLA, or OFT's parallel decoding
+    # when chunk > 1) or l1 (OpenVLA-OFT's continuous head: an MLP on each action slot's last hidden state regresses
+    # its value, normalised to [-1, 1] by the bins' range, with an L1 loss; jaxpar.models.vla, "The l1 head")
+    head: str = "tokens"
     bins: int = 256
     low: float = -1.0
     high: float = 1.0
@@ -220,6 +225,12 @@ class ActionConfig:
     normalization: str = "auto"  # auto | bounds | quantile
     q01: tuple[float, ...] = ()  # quantile mode: per-dim range; () = from the data at start
     q99: tuple[float, ...] = ()
+
+    @property
+    def parallel_slots(self) -> bool:
+        """Whether the LLM reads placeholder slots, one per action value, all decoded in one call (a chunk, or a
+        continuous head, which has no token to feed back), rather than one step's tokens one by one."""
+        return self.chunk > 1 or self.head != "tokens"
 
     def bin_range(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(per-dim low, per-dim high) that the bins split; a dim whose low == high never varies."""
@@ -427,12 +438,12 @@ def vla_sequence_layout(config: Config) -> tuple[int, int, int]:
     """(image tokens, prefix length = image + instruction tokens, LLM sequence length) of a VLA.
 
     One step (chunk 1) is decoded token by token: the LLM reads the actions but the last (teacher
-    forcing). A chunk of H > 1 steps is decoded at once: the LLM reads H x dims placeholder slots, each
-    of which predicts its own action token (jaxpar.models.vla.make_batch)."""
+    forcing). A chunk of H > 1 steps, or the l1 head's values, are decoded at once: the LLM reads H x dims
+    placeholder slots, each of which predicts its own action value (jaxpar.models.vla.make_batch)."""
     n_image = image_tokens(config.vision)
     act = config.actions
     prefix = n_image + act.instruction_len
-    return n_image, prefix, prefix + (act.dims - 1 if act.chunk == 1 else act.chunk * act.dims)
+    return n_image, prefix, prefix + (act.chunk * act.dims if act.parallel_slots else act.dims - 1)
 
 
 def instruction_tokenizer_file(config: Config) -> str | None:

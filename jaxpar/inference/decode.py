@@ -69,15 +69,20 @@ def forward_embedded(params: dict, x_BxTxD: jax.Array, cache: dict, start, cfg: 
                      coll: Collectives = Collectives(), prefix_len: int = 0) -> tuple[jax.Array, dict]:
     """`forward` from input embeddings (a VLA's prefix is image tokens + embedded instruction),
     the first `prefix_len` positions attending bidirectionally."""
-    x = x_BxTxD
+    x, cache = hidden_states(params, x_BxTxD, cache, start, cfg, coll, prefix_len)
+    return llama.head_logits(params, x, cfg, coll), cache
 
+
+def hidden_states(params: dict, x: jax.Array, cache: dict, start, cfg: ModelConfig, coll: Collectives = Collectives(),
+                  prefix_len: int = 0) -> tuple[jax.Array, dict]:
+    """The last layer's output for the new positions (before the final norm), and the updated cache."""
     def body(x, layer):
         p, k_cache, v_cache = layer
         x, k_cache, v_cache = _cached_layer(x, p, cfg, coll, k_cache, v_cache, start, prefix_len)
         return x, (k_cache, v_cache)
 
     x, (k_cache, v_cache) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
-    return llama.head_logits(params, x, cfg, coll), {"k": k_cache, "v": v_cache}
+    return x, {"k": k_cache, "v": v_cache}
 
 
 def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT: jax.Array,
@@ -87,18 +92,23 @@ def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT
     each the most likely among the action tokens only. With actions.chunk = H > 1: [B, H x dims] tokens
     (step-major) and their logits from one call over the prefix and the placeholder slots. Images are uint8 pixels, scaled in the encoder
     (jaxpar.models.vit.normalise). `instruction_bytes_BxT`: what FiLM reads when the LLM reads a
-    tokenizer's ids (jaxpar.data.instructions)."""
+    tokenizer's ids (jaxpar.data.instructions). With actions.head = l1 there are no tokens: ([B, H x dims] the
+    actions in their own units, [B, H x dims] the head's normalised values)."""
     from jaxpar.models import vit, vla
 
     coll, cfg, dims = Collectives(), config.model, config.actions.dims
     film = instruction_BxT if instruction_bytes_BxT is None else instruction_bytes_BxT
     tokens = vit.encode(params, images_BxCamxHxWxC, config.vision, coll, None, film)
     first_action = cfg.vocab_size - config.actions.bins
-    if config.actions.chunk > 1:  # every slot of the chunk in one call (jaxpar.models.vla: parallel decoding)
+    if config.actions.parallel_slots:  # every slot of the chunk in one call (jaxpar.models.vla: parallel decoding)
         slots = vla.action_targets(config)
         placeholders = jnp.full((instruction_BxT.shape[0], slots), vla.PLACEHOLDER_ID, instruction_BxT.dtype)
         x = vla.llm_inputs(params, tokens, jnp.concatenate([instruction_BxT, placeholders], axis=1), coll)
         cache = init_cache(cfg, x.shape[0], x.shape[1], cfg.n_kv_heads, x.dtype)
+        if config.actions.head == "l1":
+            x, _ = hidden_states(params, x, cache, 0, cfg, coll, vla.prefix_len(config))
+            unit, positions = vla.l1_predictions(params, x, config, coll, slots)
+            return vla.denormalise_values(config, unit, vla.slot_dims(config, positions)[1]), unit
         logits, _ = forward_embedded(params, x, cache, 0, cfg, coll, vla.prefix_len(config))
         scores = logits[:, -slots:, first_action:]
         return first_action + jnp.argmax(scores, axis=-1).astype(jnp.int32), scores

@@ -11,6 +11,15 @@ instruction, and each slot's output predicts its own action token. So nothing is
 slots may see each other: the whole sequence attends bidirectionally (prefix_len). The placeholders carry
 no answer, only their positions. Steps past an episode's end are padded and left out of the loss (their
 mask is 0).
+
+The l1 head (actions.head = l1, OpenVLA-OFT's continuous head): the same slots, but each slot's last hidden
+state goes through a small MLP (ACTION_HEAD: D -> D, gelu, -> dims, the slot's own dim kept) that regresses the action
+value, normalised to [-1, 1] by the bins' range (the data's q01 / q99 with quantile normalisation, stored in the
+config and so in every checkpoint), with an L1 loss. No bins: a value is not rounded to a bin's centre. The MLP
+sits beside the LM head (after the final norm, on the pipeline's head part) and is split like it: its hidden dim
+over the vocabulary's axes (tp, and pp x tp with a pipeline) and its output summed over them (Megatron's column / row
+pair; the sum last, as the LM head's cross-entropy ends in one, so the loss is the same on every rank). Its input is
+the slots' positions only, as the token head's (loss_positions).
 """
 
 from __future__ import annotations
@@ -23,9 +32,15 @@ from jaxpar.config import ActionConfig, Config
 from jaxpar.config import vla_sequence_layout as sequence_layout  # (derived from the config alone)
 from jaxpar.layers import vocab_parallel
 from jaxpar.layers.collectives import Collectives
+from jaxpar.layers.norm import rms_norm
 from jaxpar.models import llama, vit
 
 PLACEHOLDER_ID = 0  # an action slot's input under chunking: a fixed token (the instruction's padding byte)
+ACTION_HEAD = "action_head"  # actions.head=l1's MLP in the parameter tree
+# D -> F (gelu; F split like the vocabulary) -> dims, the output layer factored F -> D -> dims so that every weight has
+# ZeRO's "embed" dim (jaxpar.sharding: the LLM's ZeRO shards each weight on it); summed over F's split at the end
+ACTION_HEAD_AXES = {"w1": ("embed", "action_mlp"), "w2": ("action_mlp", "embed"), "w_out": ("embed", "action_dims")}
+L1_HEAD_AXES = {"final_norm": llama.HEAD_AXES["final_norm"], ACTION_HEAD: ACTION_HEAD_AXES}  # what the l1 head reads
 
 
 class ActionTokenizer:
@@ -92,7 +107,7 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
     action_ids = tokenizer.bins_to_tokens(tokenizer.to_bins(steps))
     action_ids = action_ids.reshape(batch_size, -1)  # [B, H x dims], step-major
     n_image, _, _ = sequence_layout(config)
-    if act.chunk == 1:
+    if not act.parallel_slots:
         tokens = np.concatenate([instructions.astype(np.int32), action_ids], axis=1)
         inputs, targets = tokens[:, :-1], np.concatenate([np.zeros((batch_size, n_image - 1), np.int32), tokens], 1)
     else:
@@ -109,6 +124,8 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
     if images.dtype != np.uint8:
         raise TypeError(f"make_batch takes uint8 pixels (the encoder scales them on the device), not {images.dtype}")
     batch = {"images": images, "inputs": inputs, "targets": targets, "mask": mask}
+    if act.head == "l1":  # what the l1 head regresses
+        batch["values"] = action_values(config, steps)
     if instruction_bytes is not None:
         batch["instruction_bytes"] = np.asarray(instruction_bytes, np.int32)
     return batch
@@ -206,7 +223,7 @@ def llm_inputs_summed(params: dict, image_part_BxIxD: jax.Array, inputs_BxT: jax
 def prefix_len(config: Config) -> int:
     """The positions that attend bidirectionally: image + instruction with prefix_lm, and the whole
     sequence under chunking (the slots see each other; their inputs are placeholders, so nothing leaks)."""
-    if config.actions.chunk > 1:
+    if config.actions.parallel_slots:
         return sequence_layout(config)[2]
     return sequence_layout(config)[1] if config.model.prefix_lm else 0
 
@@ -236,8 +253,116 @@ def llm_loss_sum(params: dict, image_tokens_BxIxD: jax.Array, batch: dict, confi
     positions the loss reads only: loss_positions)."""
     x = llm_inputs(params, image_tokens_BxIxD, batch["inputs"], coll)
     x = llama.run_layers(x, params["layers"], config.model, coll, policy, prefix_len(config))
-    return llama.head_loss_sum(params, x, batch["targets"], batch["mask"], config.model, coll,
-                               loss_positions(config))
+    return head_loss_sum(params, x, batch, config, coll, loss_positions(config))
+
+
+def head_loss_sum(params: dict, x_BxSxD: jax.Array, batch: dict, config: Config, coll: Collectives,
+                  last: int | None) -> jax.Array:
+    """The masked loss sum of the configured action head on the LLM's output (the last pipeline stage's job):
+    the LM head's token cross-entropies, or the l1 head's absolute errors."""
+    if config.actions.head == "l1":
+        return l1_loss_sum(params, x_BxSxD, batch["values"], batch["mask"], config, coll, last)
+    return llama.head_loss_sum(params, x_BxSxD, batch["targets"], batch["mask"], config.model, coll, last)
+
+
+# ----------------------------------------------------------------------------- the l1 head
+
+
+def action_head_shapes(config: Config) -> dict:
+    d = config.model.d_model
+    return {"w1": (d, d), "w2": (d, d), "w_out": (d, config.actions.dims)}
+
+
+def init_action_head(config: Config, key: jax.Array) -> dict:
+    """N(0, init_std) weights."""
+    shapes, std = action_head_shapes(config), config.model.init_std
+    return {name: std * jax.random.normal(jax.random.fold_in(key, index), shape, jnp.float32)
+            for index, (name, shape) in enumerate(sorted(shapes.items()))}
+
+
+def slot_dims(config: Config, positions_S: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(is an action slot, the action dim it holds: 0 off the slots) of each sequence position."""
+    slot_S = positions_S - (sequence_layout(config)[2] - action_targets(config))  # the slots: the last H x dims
+    return slot_S >= 0, jnp.where(slot_S >= 0, slot_S % config.actions.dims, 0)
+
+
+def _range_at(config: Config, dim_S: jax.Array) -> tuple[jax.Array, jax.Array]:
+    low, high = (jnp.asarray(np.asarray(bound, np.float32)) for bound in config.actions.bin_range())
+    return low[dim_S], high[dim_S]
+
+
+def normalise_values(config: Config, values_BxS: jax.Array, dim_S: jax.Array) -> jax.Array:
+    """Actions -> [-1, 1] by their dim's range (clipped, as the bins clip; a dim that never varies: 0)."""
+    low_S, high_S = _range_at(config, dim_S)
+    span_S = jnp.where(high_S > low_S, high_S - low_S, 1.0)
+    return jnp.where(high_S > low_S, jnp.clip(2.0 * (values_BxS - low_S) / span_S - 1.0, -1.0, 1.0), 0.0)
+
+
+def denormalise_values(config: Config, unit_BxS: jax.Array, dim_S: jax.Array) -> jax.Array:
+    """normalise_values' inverse on [-1, 1] (predictions outside it are clipped: the data's range)."""
+    low_S, high_S = _range_at(config, dim_S)
+    return low_S + (jnp.clip(unit_BxS, -1.0, 1.0) + 1.0) * 0.5 * (high_S - low_S)
+
+
+def l1_predictions(params: dict, x_BxSxD: jax.Array, config: Config, coll: Collectives,
+                   last: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(the l1 head's normalised value at each position, for that position's action dim [B, S'] fp32, the
+    positions S'): the final norm and the MLP on the last `last` positions (None: all of this rank's, its
+    cp chunks' positions), sliced as llama.head_logits slices (sequence parallelism: the last shard's)."""
+    x_BxSxD, head = coll.use_weights(x_BxSxD, {k: params[k] for k in L1_HEAD_AXES}, L1_HEAD_AXES)
+    x_BxSxD = x_BxSxD if last is None else x_BxSxD[:, -last:]
+    x_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, head["final_norm"], config.model.norm_eps))
+    x_BxSxD = x_BxSxD if last is None else x_BxSxD[:, -last:]
+    mlp = head[ACTION_HEAD]
+    hidden_BxSxF = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x_BxSxD, mlp["w1"], preferred_element_type=jnp.float32))
+    partial_BxSxD = jnp.einsum("bsf,fd->bsd", hidden_BxSxF.astype(x_BxSxD.dtype), mlp["w2"],
+                               preferred_element_type=jnp.float32)
+    out_BxSxA = coll.tp_sum(jnp.einsum("bsd,da->bsa", partial_BxSxD.astype(x_BxSxD.dtype), mlp["w_out"],
+                                       preferred_element_type=jnp.float32))
+    length = out_BxSxA.shape[1]
+    if last is not None:
+        positions_S = jnp.arange(sequence_layout(config)[2] - last, sequence_layout(config)[2])
+    else:
+        positions_S = coll.context_positions(length)
+        positions_S = jnp.arange(length) if positions_S is None else positions_S
+    _, dim_S = slot_dims(config, positions_S)
+    picked_BxS = jnp.take_along_axis(out_BxSxA, jnp.broadcast_to(dim_S[None, :, None], out_BxSxA.shape[:2] + (1,)),
+                                     axis=-1)[..., 0]
+    return picked_BxS, positions_S
+
+
+def l1_loss_sum(params: dict, x_BxSxD: jax.Array, values_BxS: jax.Array, mask_BxS: jax.Array, config: Config,
+                coll: Collectives, last: int | None = None) -> jax.Array:
+    """Sum over the masked slots of |prediction - normalised action| (the mask is 0 off the slots)."""
+    pred_BxS, positions_S = l1_predictions(params, x_BxSxD, config, coll, last)
+    if last is not None:
+        values_BxS, mask_BxS = values_BxS[:, -last:], mask_BxS[:, -last:]
+    target_BxS = normalise_values(config, values_BxS, slot_dims(config, positions_S)[1])
+    return jnp.sum(jnp.abs(pred_BxS - target_BxS) * mask_BxS.astype(jnp.float32))
+
+
+def l1_eval_sums(params: dict, x_BxSxD: jax.Array, batch: dict, config: Config, coll: Collectives) -> dict:
+    """eval_sums' keys for the l1 head: `loss` the L1 sum in normalised units, a slot `correct` when its
+    value falls in the true value's bin (comparable with the token head's exact tokens), and the absolute
+    error of the value in the action's own units."""
+    pred_BxS, positions_S = l1_predictions(params, x_BxSxD, config, coll)
+    is_action_S, dim_S = slot_dims(config, positions_S)
+    mask_BxS = batch["mask"].astype(jnp.float32)
+    scored_BxS = is_action_S.astype(jnp.float32) * mask_BxS
+    target_BxS = normalise_values(config, batch["values"], dim_S)
+    value_BxS = denormalise_values(config, pred_BxS, dim_S)
+    bins = config.actions.bins
+
+    def to_bin(unit_BxS):
+        return jnp.minimum(jnp.floor((jnp.clip(unit_BxS, -1.0, 1.0) + 1.0) * 0.5 * bins), bins - 1)
+
+    correct_BxS = (to_bin(pred_BxS) == to_bin(target_BxS)) * scored_BxS
+    by_dim_SxA = jax.nn.one_hot(jnp.where(is_action_S, dim_S, -1), config.actions.dims)
+    return {"loss": jnp.sum(jnp.abs(pred_BxS - target_BxS) * mask_BxS), "tokens": jnp.sum(mask_BxS),
+            "correct": jnp.sum(correct_BxS), "action_tokens": jnp.sum(scored_BxS),
+            "action_correct": jnp.sum(correct_BxS),
+            "action_abs_err": jnp.sum(jnp.abs(value_BxS - batch["values"]) * scored_BxS),
+            "action_correct_by_dim": jnp.sum(correct_BxS, axis=0) @ by_dim_SxA}
 
 
 def loss_sum(params: dict, batch: dict, config: Config, llm_coll: Collectives = Collectives(),

@@ -33,6 +33,8 @@ class Evaluator:
 
     def _head_sums(self, head, x_BxSxD, batch):
         coll = self.builder.head_collectives(self.coll)  # with a pipeline, the head is split over pp x tp
+        if self.config.model.kind == "vla" and self.config.actions.head == "l1":
+            return vla.l1_eval_sums(head, x_BxSxD, batch, self.config, coll)
         token_loss, pred = llama.head_eval(head, x_BxSxD, batch["targets"], self.config.model, coll)
         if self.config.model.kind == "vla":
             return vla.eval_sums(self.config, token_loss, pred, batch, coll.context_positions(pred.shape[1]))

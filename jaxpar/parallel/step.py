@@ -105,6 +105,8 @@ class StepBuilder:
         self.mesh = mesh
         self.stage = config.zero.stage
         self.axes = llama.param_axes(config.fp8_delayed)  # the LLM's; the vision component keeps its own
+        if config.model.kind == "vla" and config.actions.head == "l1":  # the l1 head's MLP: the LLM's too
+            self.axes[vla.ACTION_HEAD] = vla.ACTION_HEAD_AXES
         ways = kv_head_ways(config.model.n_kv_heads, config.mesh.tp, tp_split_of(mesh))
         self.replicates_kv = ways == 1 and kv_heads_replicated(config.model.n_kv_heads, config.mesh.tp)
         self.specs_rules = llm_rules(mesh, config.model.n_kv_heads)
@@ -182,6 +184,8 @@ class StepBuilder:
             shapes["layers"][llama.FP8_LIVES] = llama.fp8_lives_shape(self.config.model)
         if self.vision is not None:
             shapes.update(vit.param_shapes(self.config.vision, self.config.model.d_model))
+            if vla.ACTION_HEAD in self.axes:
+                shapes[vla.ACTION_HEAD] = vla.action_head_shapes(self.config)
             if self.config.fp8_delayed:
                 counters = vit.fp8_lives_shapes(self.config.vision)
                 shapes["vit"]["blocks"].update(counters["vit"]["blocks"])
@@ -218,6 +222,8 @@ class StepBuilder:
             if vision_weights is not None:
                 vision["vit"] = vision_weights["vit"]
             master.update(vit.with_fp8_lives(vision, self.config.vision) if self.config.fp8_delayed else vision)
+            if vla.ACTION_HEAD in self.axes:  # (never in a Hugging Face checkpoint: starts fresh)
+                master[vla.ACTION_HEAD] = vla.init_action_head(self.config, jax.random.fold_in(key, 49))
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=jax.tree.map(lambda w: w.astype(self.compute_dtype), master),
@@ -239,7 +245,7 @@ class StepBuilder:
 
     def llm_weight_shardings(self) -> dict:
         """Where the LLM's fp32 weights go when a run starts from given weights (the master layout)."""
-        llm = {k: v for k, v in self.specs.opt.items() if k not in VISION_KEYS}
+        llm = {k: v for k, v in self.specs.opt.items() if k not in VISION_KEYS and k != vla.ACTION_HEAD}
         llm["layers"] = {k: v for k, v in llm["layers"].items() if k != llama.FP8_LIVES}  # (state, not weights)
         return self._named(llm)
 
@@ -268,6 +274,8 @@ class StepBuilder:
             shapes["images"] = ((batch, v.cameras, v.image_size, v.image_size, v.channels), jnp.uint8)
             if carries_instruction_bytes(self.config):  # FiLM's bytes beside a tokenizer's ids
                 shapes["instruction_bytes"] = ((batch, self.config.actions.instruction_len), jnp.int32)
+            if self.config.actions.head == "l1":  # the values the l1 head regresses (vla.make_batch)
+                shapes["values"] = ((batch, seq), jnp.float32)
         return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
 
     # ------------------------------------------------------------------ loss and gradients
@@ -422,6 +430,8 @@ class StepBuilder:
         last = vla.loss_positions(self.config) if self.vision is not None else None  # the VLA's actions
 
         def head_loss(head, y, data):
+            if self.vision is not None:  # the VLA's action head: tokens or l1
+                return vla.head_loss_sum(head, y, data, self.config, head_coll, last) / token_count
             return llama.head_loss_sum(head, y, data["targets"], data["mask"], cfg, head_coll, last) / token_count
 
         # precision=fp8: the stage's linear weights quantized once per step, not in every slot (unless ZeRO-3
@@ -450,7 +460,7 @@ class StepBuilder:
     def pipeline_parts(tree) -> dict:
         """An LLM-shaped tree (weights, their logical axes) cut into the pipeline's three parts."""
         return {"first": {"embed": tree["embed"]}, "layers": tree["layers"],
-                "head": {k: tree[k] for k in llama.HEAD_AXES}}
+                "head": {k: tree[k] for k in (*llama.HEAD_AXES, vla.ACTION_HEAD) if k in tree}}
 
     def pipeline_inputs(self, params, batch, image_tokens):
         """The LLM's weights as the pipeline's pieces, and the batch (and image tokens) by microbatch."""
@@ -462,8 +472,8 @@ class StepBuilder:
         return self.pipeline_parts(params), micro, extra
 
     def _pipelined_loss_and_grads(self, params, batch, image_tokens, token_count, coll, policy):
-        split, micro, extra = self.pipeline_inputs(params, {k: batch[k] for k in ("inputs", "targets", "mask")},
-                                                   image_tokens)
+        split, micro, extra = self.pipeline_inputs(params, {k: batch[k] for k in ("inputs", "targets", "mask", "values")
+                                                            if k in batch}, image_tokens)
         loss, grads, d_extra = self.pipeline(coll, policy, token_count).loss_and_grads(split, micro, extra)
         grads = {**grads["first"], "layers": grads["layers"], **grads["head"]}
         return loss, grads, None if d_extra is None else d_extra.reshape(image_tokens.shape)  # (own: same shape)

@@ -37,7 +37,7 @@ from jaxpar.planner.traffic import slot_counts
 from jaxpar.compiler.hardware import GB, Hardware
 from jaxpar.parallel.pipeline import activation_collectives
 from jaxpar.parallel.schedule import bubble_fraction, pipeline_table
-from jaxpar.planner.memory import (Block, fp8_gathers, head_positions, linear_params, llm_block, local_params,
+from jaxpar.planner.memory import (Block, fp8_gathers, head_positions, head_width, linear_params, llm_block, local_params,
                                    local_seq, microbatch,
                                   seq_len, vision_data_ways, vit_block)
 
@@ -105,7 +105,7 @@ def llm_flops(config: Config) -> dict[str, float]:
             "W": layers * weights if zb else 0.0}
     slots = slot_counts(config)
     executed = sum(slots[k] * cost[k] for k in "FBW") / v * (1 if pipelined else passes)
-    head = passes * 3 * 2.0 * b * head_positions(config) * m.d_model * m.vocab_size / (mesh.tp * mesh.pp)
+    head = passes * 3 * 2.0 * b * head_positions(config) * m.d_model * head_width(config) / (mesh.tp * mesh.pp)
     return {"layers": executed, "layers_busy": passes * sum(cost.values()), "head": head, "slot_costs": cost}
 
 

@@ -57,8 +57,9 @@ class MetaWorldRollouts:
         self.scenes = round_robin(read_episode_seeds(directory), config.eval.rollouts)
         self.camera, self.render_size = split_camera(directory)
 
-    def run(self, policy) -> dict:
-        """metaworld.run_rollouts with `policy` (model_policy's interface) on frames resized as in training."""
+    def run(self, policy, frames: int = 0) -> dict:
+        """metaworld.run_rollouts with `policy` (model_policy's interface) on frames resized as in training;
+        `frames` > 0 records the first `frames` scenes' camera frames (as rendered)."""
         from PIL import Image
 
         from jaxpar.data.video import resize
@@ -68,23 +69,28 @@ class MetaWorldRollouts:
         def seen(images: np.ndarray, instructions: list[str]) -> np.ndarray:
             frames = np.stack([[resize(Image.fromarray(frame), size, method) for frame in cams] for cams in images])
             return policy(frames, instructions)
-        return metaworld.run_rollouts(lambda env: seen, self.scenes, self.max_steps, self.render_size, self.camera)
+        return metaworld.run_rollouts(lambda env: seen, self.scenes, self.max_steps, self.render_size, self.camera,
+                                      frames)
 
 
 def evaluate_metaworld(args, config, step: int, weights, model_policy) -> dict:
     """`python -m jaxpar.rollout` on a run trained on a Meta-World split: --scenes of its data.eval's held-out
-    scenes (round-robin over the tasks, so --seed does not apply), --max_steps (default MAX_STEPS) each."""
+    scenes (round-robin over the tasks, so --seed does not apply), --max_steps (default MAX_STEPS) each; --gif
+    draws the first --gif_scenes of them (one per task first), captioned with their task."""
     from dataclasses import replace
 
-    if args.gif:
-        raise ConfigError("--gif draws the procedural task's rollouts; for a Meta-World run leave it out (Meta-World "
-                          "GIFs are not written yet)")
+    from jaxpar.robot.rollout import write_gif
+
     config = replace(config, eval=replace(config.eval, rollouts=args.scenes))
     rollouts = MetaWorldRollouts(config, args.max_steps or MAX_STEPS)
     policy, size = model_policy(config, weights), config.vision.image_size
     policy(np.zeros((len(rollouts.scenes), 1, size, size, 3), np.uint8),  # compiled before the clock starts
            [metaworld.INSTRUCTIONS[scene["task"]] for scene in rollouts.scenes])
-    result = rollouts.run(policy)
+    shown = min(args.gif_scenes, args.scenes) if args.gif else 0
+    result = rollouts.run(policy, shown)
+    if args.gif:
+        labels = [scene["task"].removesuffix("-v3") for scene in rollouts.scenes[:shown]]
+        write_gif(pathlib.Path(args.gif), {**result, "labels": labels})
     return {"workdir": str(args.workdir), "step": int(step), "data": config.data.eval, "scenes": len(rollouts.scenes),
             "max_steps": rollouts.max_steps, "success_rate": result["success_rate"], "per_task": result["per_task"],
             "policy_calls": result["policy_calls"], "actions_per_second": round(result["actions_per_second"], 1),

@@ -92,10 +92,12 @@ def model_policy(config, weights, predict=None, place=None):
             arrays = encoder.encode_batch(instructions, "the rollout task")
             encoded[key] = tuple(None if a is None else place(a) for a in arrays)
         pixels = place(np.asarray(images, np.uint8))  # the encoder scales them (jaxpar.models.vit.normalise)
-        tokens = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1])[0])
-        if config.actions.chunk > 1:  # [B, H x dims] step-major -> [B, H, dims]
-            tokens = tokens.reshape(tokens.shape[0], config.actions.chunk, config.actions.dims)
-        return np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(tokens)), np.float32)
+        out = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1])[0])
+        if config.actions.parallel_slots:  # [B, H x dims] step-major -> [B, H, dims]
+            out = out.reshape(out.shape[0], config.actions.chunk, config.actions.dims)
+        if config.actions.head == "l1":  # the actions themselves
+            return out.astype(np.float32)[:, 0] if config.actions.chunk == 1 else out.astype(np.float32)
+        return np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(out)), np.float32)
 
     return policy
 
@@ -106,12 +108,14 @@ def model_policy(config, weights, predict=None, place=None):
 def write_gif(path: pathlib.Path, result: dict, frame_ms: int = 400) -> None:
     """The recorded rollouts side by side, upscaled (nearest), each framed grey while it runs, green
     from the step it succeeds, red on the last frame if it failed, captioned with the named colour
-    (the frame alone does not say which square is the goal)."""
+    (the frame alone does not say which square is the goal), or with result["labels"] where given (Meta-World:
+    the task)."""
     from PIL import Image, ImageDraw
 
     frames = result["frames"]
     shown = frames.shape[1]
-    steps, success, colours = result["steps"][:shown], result["success"][:shown], result["colours"][:shown]
+    steps, success = result["steps"][:shown], result["success"][:shown]
+    colours = result.get("labels", result.get("colours"))[:shown]
     scale = max(1, GIF_TILE // frames.shape[2])
     border, gap = max(2, scale // 2), 4
     width = frames.shape[3] * scale + 2 * (border + gap)
