@@ -130,6 +130,9 @@ def test_closed_loop_replays_held_out_scenes_and_the_expert_succeeds(splits):
     np.testing.assert_array_equal(result["steps"], [s["steps"] for s in scenes])
     assert result["policy_calls"] == max(s["steps"] for s in scenes)
     assert result["frames"].shape == (result["policy_calls"] + 1, 1, SIZE, SIZE, 3)
+    one_by_one = metaworld.run_rollouts(metaworld.expert_policy, scenes, max_steps=150, image_size=SIZE, at_once=1)
+    np.testing.assert_array_equal(one_by_one["steps"], result["steps"])  # groups of scenes (memory): the same
+    assert one_by_one["policy_calls"] == sum(s["steps"] for s in scenes)  # a call per step of each group
     recorded = pq.read_table(next((out / "heldout" / "data").rglob("*.parquet"))).to_pydict()
     episode_of, stored = np.asarray(recorded["episode_index"]), np.asarray(recorded["action"])
     longest = max(s["steps"] for s in scenes)

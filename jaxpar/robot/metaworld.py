@@ -219,26 +219,35 @@ def expert_policy(env: MetaWorldEnv):
     return policy
 
 
+SCENES_AT_ONCE = 50  # simulators (each with its renderer, ~45 MB) alive at once: 500 together were killed for memory
+
+
 def run_rollouts(make_policy, scenes: list[dict], max_steps: int = 200, image_size: int = 64, camera: str = "corner2",
-                 frames: int = 0) -> dict:
+                 frames: int = 0, at_once: int = SCENES_AT_ONCE) -> dict:
     """Closed loop on Meta-World scenes ({"task", "seed"} records): `make_policy(env)` gives the policy
-    (jaxpar.robot.rollout's interface; a chunk runs open loop). Returns success_rate, per_task
-    {task: success rate}, mean_steps (over the successes), success [B], steps [B], policy_calls,
-    actions_per_second, seconds, and with `frames` > 0 the first `frames` scenes' camera frames."""
+    (jaxpar.robot.rollout's interface; a chunk runs open loop), in groups of `at_once` scenes stepped together.
+    Returns success_rate, per_task {task: success rate}, mean_steps (over the successes), success [B], steps [B],
+    policy_calls (summed over the groups), actions_per_second, seconds, and with `frames` > 0 the first `frames`
+    scenes' camera frames (at most a group's)."""
     import time
 
     from jaxpar.robot.closed_loop import step_closed_loop
 
-    with MetaWorldEnv(scenes, image_size, camera) as env:
-        recorded, start = [], time.perf_counter()
-        taken, calls = step_closed_loop(env, make_policy(env), max_steps, frames, recorded)
-        seconds = time.perf_counter() - start
-        success, steps = env.done.copy(), env.steps.copy()
+    success, steps, calls, taken_total, recorded, start = [], [], 0, 0, [], time.perf_counter()
+    for first in range(0, len(scenes), at_once):
+        with MetaWorldEnv(scenes[first:first + at_once], image_size, camera) as env:
+            taken, group_calls = step_closed_loop(env, make_policy(env), max_steps, frames if first == 0 else 0,
+                                                  recorded if first == 0 else [])
+            success.append(env.done.copy())
+            steps.append(env.steps.copy())
+            calls, taken_total = calls + group_calls, taken_total + taken * len(env)
+    seconds = time.perf_counter() - start
+    success, steps = np.concatenate(success), np.concatenate(steps)
     tasks = [scene["task"] for scene in scenes]
     result = {"success_rate": float(success.mean()), "success": success, "steps": steps,
               "per_task": {task: float(success[[t == task for t in tasks]].mean()) for task in dict.fromkeys(tasks)},
               "mean_steps": float(steps[success].mean()) if success.any() else float("nan"),
-              "policy_calls": calls, "actions_per_second": taken * len(scenes) / seconds, "seconds": seconds}
+              "policy_calls": calls, "actions_per_second": taken_total / seconds, "seconds": seconds}
     if frames:
         result["frames"] = np.stack(recorded)
     return result

@@ -84,8 +84,9 @@ def evaluate_metaworld(args, config, step: int, weights, model_policy) -> dict:
     config = replace(config, eval=replace(config.eval, rollouts=args.scenes))
     rollouts = MetaWorldRollouts(config, args.max_steps or MAX_STEPS)
     policy, size = model_policy(config, weights), config.vision.image_size
-    policy(np.zeros((len(rollouts.scenes), 1, size, size, 3), np.uint8),  # compiled before the clock starts
-           [metaworld.INSTRUCTIONS[scene["task"]] for scene in rollouts.scenes])
+    group = rollouts.scenes[:metaworld.SCENES_AT_ONCE]  # the batch the groups are stepped in
+    policy(np.zeros((len(group), 1, size, size, 3), np.uint8),  # compiled before the clock starts
+           [metaworld.INSTRUCTIONS[scene["task"]] for scene in group])
     shown = min(args.gif_scenes, args.scenes) if args.gif else 0
     result = rollouts.run(policy, shown)
     if args.gif:
