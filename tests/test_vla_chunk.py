@@ -74,9 +74,10 @@ def test_chunks_stop_at_the_episode_end(tmp_path):
         np.testing.assert_array_equal(end["actions"], np.repeat(recorded[-1:], CHUNK, axis=0))
 
 
-# The chunked model on the layout families (make test: dp x pp x tp with 1F1B; CI runs the rest).
+# The chunked model on the layout families (all slow: make test trains the same slots through (2,2,2) 1F1B with the
+# l1 head, tests/test_vla_l1.py; CI runs these).
 @pytest.mark.parametrize("mesh,schedule,vision_tp", [
-    ((2, 2, 2), "1f1b", 1),
+    pytest.param((2, 2, 2), "1f1b", 1, marks=pytest.mark.slow),
     pytest.param((2, 1, 4), "zero1", 2, marks=pytest.mark.slow),
     pytest.param((1, 2, 4), "1f1b", 2, marks=pytest.mark.slow),
     pytest.param((2, 2, 2), "zb", 2, marks=pytest.mark.slow),

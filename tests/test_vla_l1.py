@@ -113,6 +113,7 @@ def test_decoding_returns_the_values_the_training_forward_regresses():
         float(np.sum(np.maximum(np.abs(unit) - 1, 0))), abs=1e-4)
 
 
+@pytest.mark.slow  # (a pipelined eval step's compile: make test's time)
 def test_evaluation_scores_values_in_their_units():
     config = base.with_values(CONFIG, mesh=dict(dp=2, pp=2, tp=2), pipeline=dict(schedule="1f1b"))
     b = base.builder(config)

@@ -73,13 +73,12 @@ class MetaWorldRollouts:
                                       frames)
 
 
-def evaluate_metaworld(args, config, step: int, weights, model_policy) -> dict:
+def evaluate_metaworld(args, config, step: int, weights, model_policy, write_gif) -> dict:
     """`python -m jaxpar.rollout` on a run trained on a Meta-World split: --scenes of its data.eval's held-out
     scenes (round-robin over the tasks, so --seed does not apply), --max_steps (default MAX_STEPS) each; --gif
-    draws the first --gif_scenes of them (one per task first), captioned with their task."""
+    draws the first --gif_scenes of them (one per task first), captioned with their task. `model_policy` and
+    `write_gif` are jaxpar.robot.rollout's (passed in: that module imports this one)."""
     from dataclasses import replace
-
-    from jaxpar.robot.rollout import write_gif
 
     config = replace(config, eval=replace(config.eval, rollouts=args.scenes))
     rollouts = MetaWorldRollouts(config, args.max_steps or MAX_STEPS)

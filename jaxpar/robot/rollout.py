@@ -204,7 +204,7 @@ def evaluate(args) -> dict:
     from jaxpar.robot.metaworld_eval import evaluate_metaworld, is_metaworld_split
 
     if is_metaworld_split(config.data.eval):
-        return evaluate_metaworld(args, config, *restore(workdir, args.checkpoint_step), model_policy)
+        return evaluate_metaworld(args, config, *restore(workdir, args.checkpoint_step), model_policy, write_gif)
     exclude, note = train_scenes(config)
     shape = TaskShape.from_config(config, split_task(exclude, config.vision.image_size // config.vision.patch_size))
     scenes = draw_scenes(args.scenes, args.seed + SEED_SALT, shape, exclude)
