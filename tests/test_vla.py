@@ -169,6 +169,23 @@ def reference(single=SINGLE):
     return run(single, single=single)
 
 
+def on_layout(config, mesh, schedule, vision_tp):
+    """`config` on mesh (dp, pp, tp): a pipeline with `schedule`, or without one ZeRO stage `schedule[-1]` ("zeroN")."""
+    pipe = dict(schedule=schedule) if mesh[1] > 1 else dict(microbatches=1)
+    return with_values(config, mesh=dict(dp=mesh[0], pp=mesh[1], tp=mesh[2]), vision=dict(tp=vision_tp),
+                       pipeline=pipe, zero=dict(stage=int(schedule[-1]) if schedule.startswith("zero") else 1))
+
+
+def assert_matches_reference(losses, grads, ref):
+    """Losses within 1e-5 and every gradient within float32 rounding of the single-device `ref` (reference())."""
+    ref_losses, ref_grads, _ = ref
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+    def check(path, a, e):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * np.max(np.abs(e)), err_msg=jax.tree_util.keystr(path))
+    jax.tree_util.tree_map_with_path(check, grads, ref_grads)
+
+
 # (2,2,2) with 1F1B (vision tp 1 and 2) and GPipe are `slow`: `make test` trains that layout in
 # tests/test_hf_siglip.py (vision tp 2, SigLIP); the VLA under cp is in tests/test_context_parallel.py.
 # The LLM's ZeRO-3 with vision tp 1 is slow too (make test's 15-minute budget; CI runs both).
@@ -182,16 +199,8 @@ def reference(single=SINGLE):
     pytest.param((4, 1, 2), "zero3", 1, marks=pytest.mark.slow),  # no pipeline: the LLM's ZeRO-3 gathers with image tokens
 ])
 def test_vla_matches_single_device(mesh, schedule, vision_tp):
-    ref_losses, ref_grads, _ = reference()
-    pipe = dict(schedule=schedule) if mesh[1] > 1 else dict(microbatches=1)
-    config = with_values(BASE, mesh=dict(dp=mesh[0], pp=mesh[1], tp=mesh[2]), vision=dict(tp=vision_tp),
-                         pipeline=pipe, zero=dict(stage=int(schedule[-1]) if schedule.startswith("zero") else 1))
-    losses, grads, state = run(config)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-
-    def check(path, a, e):
-        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * np.max(np.abs(e)), err_msg=jax.tree_util.keystr(path))
-    jax.tree_util.tree_map_with_path(check, grads, ref_grads)
+    losses, grads, state = run(on_layout(BASE, mesh, schedule, vision_tp))
+    assert_matches_reference(losses, grads, reference())
     wq = state.params["vit"]["blocks"]["wq"]  # [depth, width, heads, head_dim]
     assert {s.data.shape[2] for s in wq.addressable_shards} == {wq.shape[2] // vision_tp}
     w1, w2 = state.params["projector"]["w1"], state.params["projector"]["w2"]  # a column / row pair over vision tp

@@ -84,16 +84,8 @@ def test_chunks_stop_at_the_episode_end(tmp_path):
     pytest.param((4, 1, 2), "zero3", 1, marks=pytest.mark.slow),
 ])
 def test_chunked_vla_matches_single_device(mesh, schedule, vision_tp):
-    ref_losses, ref_grads, _ = base.reference(SINGLE)
-    pipe = dict(schedule=schedule) if mesh[1] > 1 else dict(microbatches=1)
-    config = base.with_values(CONFIG, mesh=dict(dp=mesh[0], pp=mesh[1], tp=mesh[2]), vision=dict(tp=vision_tp),
-                              pipeline=pipe, zero=dict(stage=int(schedule[-1]) if schedule.startswith("zero") else 1))
-    losses, grads, _ = base.run(config, single=SINGLE)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-
-    def check(path, a, e):
-        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * np.max(np.abs(e)), err_msg=jax.tree_util.keystr(path))
-    jax.tree_util.tree_map_with_path(check, grads, ref_grads)
+    losses, grads, _ = base.run(base.on_layout(CONFIG, mesh, schedule, vision_tp), single=SINGLE)
+    base.assert_matches_reference(losses, grads, base.reference(SINGLE))
 
 
 @pytest.mark.slow
