@@ -46,9 +46,31 @@ def fast_codegen_in_this_process() -> None:
         os.environ["XLA_FLAGS"] = flags
 
 
+def share_compiles_between_tests() -> None:
+    """JAX's persistent compilation cache for this process's compiles, in one directory (JAXPAR_TEST_XLA_CACHE,
+    default .pytest_cache/xla; "off" turns it off) that both xdist workers, `make test` and `make test-slow`
+    share. The suite compiles the same program many times: a module's reference fixture in each worker that
+    runs its tests and again in the slow session, a layout that two tests check for different things. A
+    program compiled once is loaded from then on; the key is JAX's (the program without its source
+    locations, the compile options, the jaxlib version), so an edited program compiles afresh.
+
+    Loaded programs compute what compiled ones do and give the same memory analysis; only their HLO text's
+    source locations are the first compile's (the file table's order and the caller's own frames).
+    Set with jax.config, not the environment: the `python -m jaxpar.train` processes a test starts keep the
+    CLI's own compile.cache_dir (tests/test_compile_cache.py tests it) and XLA's default optimisation."""
+    where = os.environ.get("JAXPAR_TEST_XLA_CACHE") or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla")
+    if where == "off":
+        return
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)  # not the many trivial jits
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 GPU_LANE = os.environ.get("JAXPAR_GPU_LANE") == "1"
 if not GPU_LANE:  # the lane checks the program a GPU run compiles: XLA's default optimisation
     fast_codegen_in_this_process()
+    share_compiles_between_tests()
 
 from jaxpar.config import Config, MeshConfig, ModelConfig, TrainConfig, ZeroConfig, validate  # noqa: E402
 from jaxpar.parallel.mesh import Layout  # noqa: E402
