@@ -112,10 +112,10 @@ def one_device():
 @pytest.mark.parametrize("layout", [
     dict(dp=8, stage=1),
     pytest.param(dict(dp=2, tp=4, stage=3), marks=pytest.mark.slow),  # make test's budget (dp 8 ZeRO-1 runs there)
-    pytest.param(dict(tp=4, sequence_parallel=True), marks=pytest.mark.slow),
+    pytest.param(dict(tp=4, sequence_parallel=True), marks=[pytest.mark.slow, pytest.mark.extra]),  # CI: with rings
     pytest.param(dict(tp=4, sequence_parallel=True, collective_matmul="on"), marks=pytest.mark.slow),  # FP8 rings
     pytest.param(dict(dp=2, stage=2, grad_accum=2), marks=pytest.mark.slow),
-    pytest.param(dict(dp=2, pp=2, tp=2, stage=1, microbatches=4), marks=pytest.mark.slow),
+    pytest.param(dict(dp=2, pp=2, tp=2, stage=1, microbatches=4), marks=[pytest.mark.slow, pytest.mark.extra]),  # CI: zb
     pytest.param(dict(pp=2, tp=2, stage=1, microbatches=4, schedule="zb"), marks=pytest.mark.slow),  # counters in W
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_every_layout_keeps_one_devices_counters_and_tracks_its_loss(layout, one_device):
@@ -326,6 +326,7 @@ def test_the_vlas_encoder_and_projector_calibrate_their_counters():
 
 
 @pytest.mark.slow  # make test's budget: a pipelined VLA and its single device, twice
+@pytest.mark.extra  # CI's budget: make test checks the VLA's counters on one device, test_every_layout the LLM's
 def test_the_vlas_counters_are_one_devices_in_a_layout():
     """The VLA under pp 2 x tp 4 with the vision encoder over its own tp 2 (its images split over dp x pp and
     the rest of tp), lr 0, after calibration and three steps.

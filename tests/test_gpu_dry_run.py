@@ -168,7 +168,9 @@ def test_remat_keeps_cudnn_attentions_residuals_and_its_flops_are_counted(tmp_pa
 
 
 @pytest.mark.parametrize("policy, forward_calls_per_block", [pytest.param("selective", 1, marks=pytest.mark.slow),
-                                                                  pytest.param("full", 2, marks=pytest.mark.slow)])
+                                                                  pytest.param("full", 2, marks=[pytest.mark.slow,
+                                                                                                 pytest.mark.extra])])
+# extra: CI's budget; the selective case takes the same cuDNN call
 def test_the_vit_keeps_cudnn_attentions_residuals_too(tmp_path, policy, forward_calls_per_block):
     """vla_tiny's encoder takes cuDNN (no mask; its LLM's prefix-LM mask keeps XLA attention under `auto`)
     through the same named-residual call as the LLM (jaxpar.layers.attention.core_attention)."""

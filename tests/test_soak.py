@@ -34,24 +34,28 @@ def run_trainer(args: list[str], workdir: pathlib.Path, limit_s: float, env: dic
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize("attempt", [1, 2])
-def test_make_run_layout_runs_2000_steps_without_a_hang(tmp_path, attempt):
+@pytest.mark.extra  # CI: tests/test_learning.py runs this layout 2000 steps on real data
+def test_make_run_layout_runs_2000_steps_without_a_hang(tmp_path):
     """make run's layout (dp 2 x tp 4, ZeRO-1) for 2000 steps, on synthetic data (the data does not change
     the program's collectives); with the proof-of-learning run (tests/test_learning.py, the same layout on
-    real data) CI runs it three times."""
+    real data) CI runs it twice. (Three times until 2026-12-07, when CI's 90 minutes ran out: with ordered
+    collectives no run has hung, BENCHMARKS.md "No hang"; a hang once in three runs, as before the order,
+    would still show in 5 of 9 CI runs.)"""
     seconds = run_trainer(["--config.train.steps=2000", "--config.train.log_every=100", "--config.eval.every=0",
                            "--config.compile.cache_dir=", *SYNTHETIC], tmp_path / "run", limit_s=1500)
-    print(f"2000 steps, attempt {attempt}: {seconds:.0f} s")
+    print(f"2000 steps: {seconds:.0f} s")
 
 
 def test_steps_loaded_from_the_compilation_cache_do_not_hang(tmp_path):
-    """20 short dp 2 x tp 2 runs whose step comes from the persistent compilation cache (the first run
-    writes it): the program XLA:CPU deserialises keeps the order, which lives in its data dependencies."""
+    """10 short dp 2 x tp 2 runs whose step comes from the persistent compilation cache (the first run
+    writes it): the program XLA:CPU deserialises keeps the order, which lives in its data dependencies.
+    (20 until 2026-12-07, for CI's 90 minutes: at the unordered program's rate, 6 hangs in 19 runs, 10 runs
+    miss a hang 2% of the time.)"""
     cache = tmp_path / "xla"
     args = ["--config.mesh.dp=2", "--config.mesh.tp=2", "--config.train.steps=8", "--config.train.log_every=1",
             "--config.eval.every=0", *SYNTHETIC]
     env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-    times = [run_trainer(args, tmp_path / f"run{i}", limit_s=300, env=env) for i in range(21)]
+    times = [run_trainer(args, tmp_path / f"run{i}", limit_s=300, env=env) for i in range(11)]
     assert any(cache.iterdir())
-    print(f"21 runs (20 from the cache): {min(times):.0f}-{max(times):.0f} s each")
+    print(f"11 runs (10 from the cache): {min(times):.0f}-{max(times):.0f} s each")
