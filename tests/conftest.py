@@ -65,6 +65,7 @@ def share_compiles_between_tests() -> None:
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)  # not the many trivial jits
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_compilation_cache_max_size", 4 << 30)  # the whole cold suite writes ~0.2 GB; edits add keys
 
 
 GPU_LANE = os.environ.get("JAXPAR_GPU_LANE") == "1"
