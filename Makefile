@@ -42,7 +42,7 @@ test-slow: $(STAMP) $(GPU_AOT_STAMP)
 	$(MAKE) test-learning
 
 ## Slow tests CI leaves out, as its 2 cores cannot run them with the rest in its 90 minutes (marked `extra`; each
-## repeats a check CI makes on another case or layout, its marker's comment says which; README "Tests"): run them
+## repeats a check CI makes on another case or layout, its marker's comment says which; README "Two commands"): run them
 ## before changing what they cover (the planner's bounds, FP8 delayed scaling's layouts, the 2000-step soak).
 test-extra: $(STAMP) $(GPU_AOT_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal -m extra

@@ -38,9 +38,10 @@ def run_trainer(args: list[str], workdir: pathlib.Path, limit_s: float, env: dic
 def test_make_run_layout_runs_2000_steps_without_a_hang(tmp_path):
     """make run's layout (dp 2 x tp 4, ZeRO-1) for 2000 steps, on synthetic data (the data does not change
     the program's collectives); with the proof-of-learning run (tests/test_learning.py, the same layout on
-    real data) CI runs it twice. (Three times until 2026-12-07, when CI's 90 minutes ran out: with ordered
-    collectives no run has hung, BENCHMARKS.md "No hang"; a hang once in three runs, as before the order,
-    would still show in 5 of 9 CI runs.)"""
+    real data) it was run three times by CI until 2026-12-07, when CI's 90 minutes ran out. Now it is in
+    `make test-extra` and CI runs the layout 2000 steps once, in the learning run: with ordered collectives
+    no run has hung (BENCHMARKS.md "No hang"); a hang once in three runs, as before the order, would show
+    in one CI run of three."""
     seconds = run_trainer(["--config.train.steps=2000", "--config.train.log_every=100", "--config.eval.every=0",
                            "--config.compile.cache_dir=", *SYNTHETIC], tmp_path / "run", limit_s=1500)
     print(f"2000 steps: {seconds:.0f} s")
