@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -138,7 +139,10 @@ def test_sigterm_checkpoints_and_exits_cleanly_then_resumes(tmp_path):
     os.sync()
 
 
-def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys, monkeypatch):
+    # Every move aside in the same second (as on a fast machine): step 4 is moved aside twice below,
+    # and the second copy must not collide with the first.
+    monkeypatch.setattr("jaxpar.parallel.checkpoint.time", types.SimpleNamespace(time=lambda: 1796629135.0))
     config = with_checkpoints(make_config(steps=4), every=2)
     train(config, builder_for(config).mesh, tmp_path, show_progress=False)
     for path in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
@@ -153,6 +157,9 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, c
                 path.write_bytes(b"garbage")
     with pytest.raises(ConfigError, match="no readable checkpoint"):
         train(longer, builder_for(longer).mesh, tmp_path, show_progress=False)
+    moved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if "unreadable" in p.name)
+    assert moved == ["2.unreadable.1796629135", "4.unreadable.1796629135", "4.unreadable.1796629135.1",
+                     "5.unreadable.1796629135"]  # nothing lost
 
 
 def test_a_restore_that_runs_out_of_memory_propagates_and_moves_nothing(tmp_path, monkeypatch):

@@ -111,8 +111,14 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def quarantine(self, step: int) -> pathlib.Path:
-        """Move an unreadable checkpoint aside (never delete work) so later saves can use its step."""
-        target = self.directory / f"{step}.unreadable.{int(time.time())}"
+        """Move an unreadable checkpoint aside (never delete work) so later saves can use its step.
+        The name is stamped with the time and made unique: a step can be moved aside, re-saved and
+        moved aside again within one second, and rename() onto the earlier copy would fail."""
+        stamp = int(time.time())
+        target = self.directory / f"{step}.unreadable.{stamp}"
+        copy = 1
+        while target.exists():
+            target, copy = self.directory / f"{step}.unreadable.{stamp}.{copy}", copy + 1
         (self.directory / str(step)).rename(target)
         self.reload()
         return target
