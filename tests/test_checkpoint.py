@@ -183,6 +183,7 @@ def test_a_restore_that_runs_out_of_memory_propagates_and_moves_nothing(tmp_path
     assert not loop.is_unreadable(MemoryError()) and not loop.is_unreadable(TypeError("a bug"))
 
 
+@pytest.mark.slow  # make test's 15 minutes; it trains two processes like one in tests/test_context_processes.py (the ring)
 def test_two_processes_train_like_one(tmp_path):
     """scripts/launch_local.sh: 2 JAX processes x 4 emulated devices (gloo over loopback) == 1 x 8."""
     common = ["--config", "llama_tiny", "--config.train.steps=3"]

@@ -93,6 +93,7 @@ def write_dataset(root: Path, seed: int) -> Path:
     return root / "train"
 
 
+@pytest.mark.slow  # make test's 15 minutes; a one-line error, not a training check
 def test_processes_of_one_cp_group_reading_different_data_stop_in_one_line(tmp_path):
     """The two ranks of a cp group read their sequences on different processes (nodes): when the nodes'
     copies of data.train differ, both processes stop before the first step with one line naming it,

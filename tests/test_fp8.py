@@ -121,6 +121,7 @@ def grads_close(actual, expected, atol):
     jax.tree_util.tree_map_with_path(check, actual, expected)
 
 
+@pytest.mark.slow  # make test's 15 minutes; it keeps fp8 layouts against one device (dp2-tp4-stage3)
 def test_data_parallel_fp8_equals_one_device_to_bf16_rounding():
     """dp 8 with ZeRO-1: each example's forward and backward is the single device's, and so are its FP8
     values (power-of-two scales), so the first step's loss agrees to float32 and its gradients to the bf16
@@ -162,6 +163,7 @@ def test_fp8_layouts_track_one_device_within_fp8_rounding(layout):
     assert jax.tree.leaves(state.master)[0].dtype == np.float32
 
 
+@pytest.mark.slow  # make test's 15 minutes; it keeps the fp8 GEMMs of one layout against one device
 def test_zb_runs_the_fp8_gemms_1f1b_runs():
     """zb splits each FP8 linear's backward (jaxpar.parallel.split_backward): B's input-gradient GEMM, and ticks
     later W's weight-gradient GEMM on the FP8 input F kept and the output gradient B kept. They are 1f1b's FP8

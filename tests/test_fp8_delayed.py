@@ -110,7 +110,7 @@ def one_device():
 
 
 @pytest.mark.parametrize("layout", [
-    dict(dp=8, stage=1),
+    pytest.param(dict(dp=8, stage=1), marks=pytest.mark.slow),  # make test's 15 minutes: one device's counters stay
     pytest.param(dict(dp=2, tp=4, stage=3), marks=pytest.mark.slow),  # make test's budget (dp 8 ZeRO-1 runs there)
     pytest.param(dict(tp=4, sequence_parallel=True), marks=[pytest.mark.slow, pytest.mark.extra]),  # CI: with rings
     pytest.param(dict(tp=4, sequence_parallel=True, collective_matmul="on"), marks=pytest.mark.slow),  # FP8 rings
@@ -168,6 +168,7 @@ def test_calibration_gives_the_first_step_the_current_recipes_scales(one_device)
     assert np.linalg.norm(fresh_wq - wq) > 0.5 * np.linalg.norm(wq)
 
 
+@pytest.mark.slow  # make test's 15 minutes; it keeps the NaN guard (test_equivalence) and the delayed resume
 def test_a_skipped_step_leaves_the_counters_as_they_were():
     """The NaN guard keeps the counters with the weights: a non-finite step (debug.nan_at_step) is not applied."""
     config = dataclasses.replace(delayed(make_config(dp=2, tp=2, stage=1)), debug=DebugConfig(nan_at_step=2))
@@ -310,6 +311,7 @@ def top_bins(lives: np.ndarray) -> np.ndarray:
     return np.max(np.where(lives > 0, np.arange(fp8.BINS), -1), axis=-1)
 
 
+@pytest.mark.slow  # make test's 15 minutes; it keeps the LLM's calibration on one device
 def test_the_vlas_encoder_and_projector_calibrate_their_counters():
     """The encoder's and the projector's linears keep counters too (fp8.recipe=delayed scales every FP8 linear's
     input and output gradient from its history): calibration fills one bin of each row, K's and V's input rows
@@ -326,7 +328,7 @@ def test_the_vlas_encoder_and_projector_calibrate_their_counters():
 
 
 @pytest.mark.slow  # make test's budget: a pipelined VLA and its single device, twice
-@pytest.mark.extra  # CI's budget: make test checks the VLA's counters on one device, test_every_layout the LLM's
+@pytest.mark.extra  # CI's budget: CI checks the VLA's counters on one device, test_every_layout the LLM's
 def test_the_vlas_counters_are_one_devices_in_a_layout():
     """The VLA under pp 2 x tp 4 with the vision encoder over its own tp 2 (its images split over dp x pp and
     the rest of tp), lr 0, after calibration and three steps.

@@ -86,6 +86,7 @@ def cudnn_attention_flops(config: dict, forward_calls_per_layer: int) -> float:
     return model["n_layers"] * (forward_calls_per_layer * forward + 2.5 * forward)
 
 
+@pytest.mark.slow  # make test's 15 minutes; it keeps the GPU compile of a pipeline's stash
 def test_gradient_accumulation_keeps_one_microbatchs_activations(tmp_path):
     """grad_accum scans every microbatch from fp32 zeros: the first one computed before the scan (as it was)
     gave the GPU program a second copy of the layer scan's saved inputs beside the loop's (llama7b at 16,384
@@ -128,7 +129,8 @@ def live_at_peak(dump: pathlib.Path) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^\s+(\S+): (\d+) bytes", at_peak, re.M)}
 
 
-@pytest.mark.parametrize("strategy", ["ring", pytest.param("all_gather", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test's 15 minutes; it keeps cp's half-FLOP blocks on the GPU compiler
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_context_parallel_backward_adds_each_blocks_gradients_before_the_next_block(tmp_path, strategy):
     """Each block's backward kernel (a cond: jaxpar.layers.ring) waits for the previous block's dq and dK / dV to be
     added. Left free, XLA's GPU scheduler ran all cp blocks' kernels first and kept every block's fp32 dq and dK

@@ -354,7 +354,8 @@ def test_planned_flops_match_the_compiled_step_without_pipeline(layout):
 
 PIPELINES = [pytest.param(dict(dp=1, pp=4, tp=1, remat="none", m=8), marks=pytest.mark.slow), dict(dp=2, pp=2, tp=2, stage=1, remat="selective", m=4),
              pytest.param(dict(dp=2, pp=2, tp=2, remat="none", m=4, vla=True), marks=pytest.mark.slow),
-             dict(dp=1, pp=2, tp=1, remat="full", m=4, virtual=2), pytest.param(dict(dp=1, pp=4, tp=1, remat="none", m=4, schedule="zb"), marks=pytest.mark.slow)]
+             pytest.param(dict(dp=1, pp=2, tp=1, remat="full", m=4, virtual=2), marks=pytest.mark.slow),  # make test: 15 min
+             pytest.param(dict(dp=1, pp=4, tp=1, remat="none", m=4, schedule="zb"), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("layout", PIPELINES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
@@ -373,6 +374,7 @@ def test_planned_flops_match_the_compiled_pipeline(layout):
         assert_flops_agree(config, report, bubble_fraction=(p - 1) / (v * m + p - 1))
 
 
+@pytest.mark.slow  # make test's 15 minutes; it keeps zb's table (tests/test_schedule.py), CI this compiled check
 def test_zero_bubble_w_slot_is_the_weight_gradient_matmuls_alone():
     """Issue 30 item 4, from the compiled programs' FLOPs by slot (p = 4, m = 4): zb's W slot runs
     exactly the chunk's weight-gradient matmuls (one per forward weight matmul, counted by hand), its
