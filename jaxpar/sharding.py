@@ -128,7 +128,7 @@ def vision_rules(vision_tp: int, mesh) -> Rules:
     else:
         tp, data = tensor_axes(mesh), outer
     table = {"vit_embed": None, "vit_heads": tp, "vit_mlp": tp, "vit_layers": None, "patch": None,
-             "patches": None, "proj_mlp": tp, "head_dim": None, "embed": None, "bytes": None,
+             "patches": None, "proj_mlp": tp, "head_dim": None, "embed": None, "bytes": None, "state_dims": None,
              "film_out": None, "fp8_linears": None, "fp8_operands": None, "fp8_bins": None}
     # (the delayed-scaling counters have no ZeRO dim here: replicated over the data axes, whose size may not divide
     # the bins, and all-reduced, a few hundred KB)

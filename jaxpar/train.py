@@ -154,11 +154,12 @@ def run(argv: list[str]) -> int:
     if not args.dry_run:  # data mistakes, like config ones, surface before JAX starts
         from jaxpar.data.demo import check_paths, ensure_demo_data
 
-        from jaxpar.data.normalization import resolve_action_range
+        from jaxpar.data.normalization import resolve_action_range, resolve_state_range
 
         ensure_demo_data(config, is_primary=launch_process_index(args.process_id) == 0)
         check_paths(config)
         config = resolve_action_range(config, workdir, is_primary=launch_process_index(args.process_id) == 0)
+        config = resolve_state_range(config, workdir)
 
     from jaxpar.compiler.hardware import apply_memory_fraction
     from jaxpar.compiler.xla_flags import apply_gpu_bundle

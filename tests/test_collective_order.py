@@ -265,6 +265,9 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
                                      zero=dict(stage=1), actions=dict(chunk=4, head="l1")),
     "VLA l1 head ZeRO-3": lambda: _vla(mesh=dict(dp=4, pp=1, tp=2), vision=dict(tp=1), pipeline=dict(microbatches=1),
                                        zero=dict(stage=3), actions=dict(chunk=4, head="l1")),
+    # the robot's state token (issue 49): its projection's gradients reduce-scattered over the encoder's data axes
+    "VLA with state, ZeRO-2": lambda: _vla(mesh=dict(dp=2, pp=1, tp=4), vision=dict(tp=2, state_dims=5),
+                                           pipeline=dict(microbatches=1), zero=dict(stage=2)),
     "VLA l1 head ZeRO-2, sequence parallel": lambda: _vla(mesh=dict(dp=2, pp=1, tp=4, sequence_parallel=True),
                                                           vision=dict(tp=2), pipeline=dict(microbatches=1),
                                                           zero=dict(stage=2), actions=dict(head="l1")),

@@ -45,6 +45,7 @@ OTHER_KEYS = {
     "data.prefetch": int, "data.frame_cache_mb": int,
     "compile.cache_dir": str, "fp8.recipe": str, "fp8.amax_history": int, "fp8.zero3_gather": str,
     "vision.image_mean": tuple[float, ...], "vision.image_std": tuple[float, ...], "vision.resize": str,
+    "vision.state_dims": int, "vision.state_low": tuple[float, ...], "vision.state_high": tuple[float, ...],
 }
 
 

@@ -286,6 +286,12 @@ def _validate_pixels(vis: VisionConfig) -> None:
     _require(all(s > 0 for s in vis.image_std), f"vision.image_std={list(vis.image_std)} must be > 0 in every channel")
     _require(vis.resize in RESIZE_FILTERS,
              f"vision.resize='{vis.resize}' is unknown; use one of {', '.join(RESIZE_FILTERS)}")
+    _require(vis.state_dims >= 0, f"vision.state_dims={vis.state_dims} must be >= 0 (0: no proprioceptive state)")
+    _require(len(vis.state_low) == len(vis.state_high) and len(vis.state_low) in (0, vis.state_dims),
+             f"vision.state_low / state_high have {len(vis.state_low)} / {len(vis.state_high)} values for "
+             f"vision.state_dims={vis.state_dims}; give one per dim in each, or neither ([-1, 1])")
+    _require(all(lo <= hi for lo, hi in zip(vis.state_low, vis.state_high)),
+             "vision.state_low must be <= vision.state_high in every dim")
 
 
 def _validate_vla_inits(config: Config) -> None:

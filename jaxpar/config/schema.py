@@ -194,6 +194,19 @@ class VisionConfig:
     # filter down, bilinear up) or a PIL filter (bicubic, bilinear, ...); init.vision_from_hf sets the
     # processor's (SigLIP: bicubic)
     resize: str = "area"
+    # Proprioceptive state (LeRobot's observation.state: joint angles, the end effector's pose, the gripper): its
+    # dims (0: none), read as one more prefix token after the image patches, a linear projection of the state
+    # normalised to [-1, 1] by [state_low, state_high] per dim (clipped; the data's q01 / q99 as the actions',
+    # openpi's norm stats; () = [-1, 1]: the state is already in range). jaxpar.models.vit, "The state token".
+    state_dims: int = 0
+    state_low: tuple[float, ...] = ()
+    state_high: tuple[float, ...] = ()
+
+    def state_range(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(per-dim low, per-dim high) of the state that maps to [-1, 1]; a dim whose low == high reads as 0."""
+        if self.state_low:
+            return tuple(self.state_low), tuple(self.state_high)
+        return (-1.0,) * self.state_dims, (1.0,) * self.state_dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,8 +428,9 @@ def patches_per_image(vision: VisionConfig) -> int:
 
 
 def image_tokens(vision: VisionConfig) -> int:
-    """The tokens a VLA's images become: patches per image x cameras."""
-    return vision.cameras * patches_per_image(vision)
+    """The prefix tokens a VLA's vision component gives the LLM: patches per image x cameras, and the
+    proprioceptive state's one token after them when vision.state_dims > 0."""
+    return vision.cameras * patches_per_image(vision) + (1 if vision.state_dims else 0)
 
 
 def image_split_ways(config: Config) -> int:

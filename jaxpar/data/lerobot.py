@@ -61,6 +61,7 @@ from jaxpar.errors import ConfigError
 VERSIONS = ("v2.0", "v2.1", "v3.0")
 CACHE_BYTES = 256 << 20  # decoded frames kept per source (per grain worker); the trainer's is data.frame_cache_mb
 CAMERA_DTYPES = ("video", "image")
+STATE_KEY = "observation.state"  # the proprioceptive state a VLA reads with vision.state_dims
 
 
 def is_lerobot(path) -> bool:
@@ -127,11 +128,13 @@ def select_cameras(info: dict, cameras, where: pathlib.Path) -> list[str]:
 
 
 def action_dims(info: dict, action_key: str, where: pathlib.Path) -> int:
+    """The values per frame of numeric feature `action_key` (the actions, or the state)."""
     feature = info["features"].get(action_key)
     if feature is None or feature.get("dtype") in CAMERA_DTYPES + ("string",):
         numeric = [k for k, f in info["features"].items() if f.get("dtype") not in CAMERA_DTYPES + ("string",)]
-        raise ConfigError(f"{where}: no numeric feature '{action_key}' (numeric features: {numeric}); pick the "
-                          f"action feature")
+        fix = ("set vision.state_dims=0 (no state input) or use a dataset that records it" if action_key == STATE_KEY
+               else "pick the action feature")
+        raise ConfigError(f"{where}: no numeric feature '{action_key}' (numeric features: {numeric}); {fix}")
     return int(np.prod(feature.get("shape") or (1,)))
 
 
@@ -221,20 +224,23 @@ def column_array(table: pa.Table, key: str, dims: int, path: pathlib.Path) -> np
     return array.reshape(len(table), dims)
 
 
-def frame_rows(episodes: list[dict], action_key: str, dims: int) -> list[dict]:
-    """Per episode {actions [T, dims], timestamp [T], task_index [T]} from its data file, one read per
-    file (only the needed columns), its row count checked against the episode metadata."""
+def frame_rows(episodes: list[dict], action_key: str, dims: int, state: tuple[str, int] | None = None) -> list[dict]:
+    """Per episode {actions [T, dims], timestamp [T], task_index [T]} (+ "state" [T, its dims] with
+    `state` = (its key, its dims)) from its data file, one read per file (only the needed columns), its row
+    count checked against the episode metadata."""
     by_file = collections.defaultdict(list)
     for episode in episodes:
         by_file[episode["data"]].append(episode)
     rows = {}
     for path, members in by_file.items():
-        table = read_parquet(path, ["episode_index", "timestamp", "task_index", action_key])
+        columns = ["episode_index", "timestamp", "task_index", action_key] + ([state[0]] if state else [])
+        table = read_parquet(path, columns)
         owner = table["episode_index"].to_numpy()
         order = np.argsort(owner, kind="stable")  # each episode's rows, in file order
         owners = owner[order]
         actions, stamps = column_array(table, action_key, dims, path), table["timestamp"].to_numpy()
         tasks = table["task_index"].to_numpy()
+        states = column_array(table, state[0], state[1], path) if state else None
         for episode in members:
             take = order[np.searchsorted(owners, episode["index"], "left"):
                          np.searchsorted(owners, episode["index"], "right")]
@@ -243,11 +249,14 @@ def frame_rows(episodes: list[dict], action_key: str, dims: int) -> list[dict]:
                                   f"says {episode['length']}; {FIX}")
             rows[episode["index"]] = {"actions": actions[take], "timestamp": stamps[take].astype(np.float64),
                                       "task_index": tasks[take].astype(np.int64)}
+            if state:
+                rows[episode["index"]]["state"] = states[take]
     return [rows[e["index"]] for e in episodes]
 
 
 def compute_action_quantiles(directory, action_key: str = "action") -> tuple[np.ndarray, np.ndarray]:
-    """Per-dimension (q01, q99) of `action_key` over every frame of the dataset (np.quantile)."""
+    """Per-dimension (q01, q99) of `action_key` (the actions, or the state: any numeric feature) over every
+    frame of the dataset (np.quantile)."""
     directory = pathlib.Path(directory)
     info = load_info(directory)
     dims = action_dims(info, action_key, directory / "meta" / "info.json")
@@ -281,7 +290,8 @@ class LeRobotSource:
     """grain random-access source: record i is frame i of the selected episodes (in the order given),
     as {"images" uint8 [cameras, image_size, image_size, 3], "instruction" [instruction_len] (the
     frame's task as the LLM reads it: jaxpar.data.instructions; + "instruction_bytes" for FiLM beside
-    a tokenizer's ids), "actions" float32 [dims]}.
+    a tokenizer's ids), "actions" float32 [dims]} (+ "state" float32 [its dims] with `state_key`, e.g.
+    observation.state: the proprioceptive state the encoder reads with vision.state_dims).
 
     The episodes, actions, timestamps and task indices are read at construction (only those parquet
     columns), so a bad file fails at start. Pixels are decoded on demand, one segment (the whole
@@ -292,7 +302,7 @@ class LeRobotSource:
 
     def __init__(self, directory, encoder: InstructionEncoder, image_size: int, cameras: tuple[str, ...] | None = None,
                  episodes: list[int] | None = None, action_key: str = "action", *, cache_bytes: int = CACHE_BYTES,
-                 segment_frames: int | None = None, resize: str = "area"):
+                 segment_frames: int | None = None, resize: str = "area", state_key: str | None = None):
         self.directory = pathlib.Path(directory)
         self.info_path = self.directory / "meta" / "info.json"
         info = load_info(self.directory)
@@ -306,13 +316,18 @@ class LeRobotSource:
             raise ConfigError(f"{self.info_path}: video features {self.video_keys} but no video_path; {FIX}")
         dims = action_dims(info, action_key, self.info_path)
         self.shapes = {"images": (len(self.camera_keys), image_size, image_size, 3), "actions": (dims,)}
+        state = None
+        if state_key:
+            state = (state_key, action_dims(info, state_key, self.info_path))
+            self.shapes["state"] = (state[1],)
         self.episodes = self._select(episode_table(self.directory, info, self.video_keys), episodes)
         self.episode_indices = [e["index"] for e in self.episodes]
         if not sum(e["length"] for e in self.episodes):
             raise ConfigError(f"{self.directory}: the selected episodes hold no frames; {FIX} or select others")
-        rows = frame_rows(self.episodes, action_key, dims)
+        rows = frame_rows(self.episodes, action_key, dims, state)
         self.starts = np.concatenate([[0], np.cumsum([e["length"] for e in self.episodes])]).astype(np.int64)
         self.actions = np.concatenate([r["actions"] for r in rows])
+        self.states = np.concatenate([r["state"] for r in rows]) if state else None
         self.timestamps = [r["timestamp"] for r in rows]
         self.task_index = np.concatenate([r["task_index"] for r in rows])
         self.tolerance = 0.4 / self.fps
@@ -352,6 +367,7 @@ class LeRobotSource:
         clone.episodes, clone.episode_indices = [self.episodes[s] for s in picked], list(episodes)
         clone.starts = np.concatenate([[0], np.cumsum([r.stop - r.start for r in rows])]).astype(np.int64)
         clone.actions = np.concatenate([self.actions[r] for r in rows])
+        clone.states = None if self.states is None else np.concatenate([self.states[r] for r in rows])
         clone.task_index = np.concatenate([self.task_index[r] for r in rows])
         clone.timestamps = [self.timestamps[s] for s in picked]
         clone._runtime()
@@ -382,7 +398,10 @@ class LeRobotSource:
         slot = int(np.searchsorted(self.starts, record, side="right")) - 1
         step = record - int(self.starts[slot])
         images = np.stack([self.frame(slot, key, step) for key in self.camera_keys])
-        return {"images": images, **self.instruction(int(self.task_index[record])), "actions": self.actions[record]}
+        out = {"images": images, **self.instruction(int(self.task_index[record])), "actions": self.actions[record]}
+        if self.states is not None:
+            out["state"] = self.states[record]
+        return out
 
     def episode_actions(self, record: int) -> tuple[np.ndarray, int]:
         """(the actions [T, dims] of the episode frame `record` belongs to, its step): action chunks."""

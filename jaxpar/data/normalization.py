@@ -61,17 +61,41 @@ def resolve_action_range(config: Config, workdir: pathlib.Path, is_primary: bool
     return dataclasses.replace(config, actions=actions)
 
 
-def _previous_run_range(workdir: pathlib.Path, dims: int):
-    """The q01 / q99 of the config.json a previous run left in `workdir`, if it had any."""
+def resolve_state_range(config: Config, workdir: pathlib.Path) -> Config:
+    """`config` with vision.state_low / state_high filled in from a LeRobot dataset's observation.state
+    (vision.state_dims > 0 and no range given): the range a previous run in `workdir` used, else meta/stats.json's
+    q01 / q99, else computed from the parquet files (the state column only: every process reads the same). The
+    state is then normalised as the actions' bins are (jaxpar.models.vit.normalise_state), and the range travels
+    with config.json and every checkpoint to the rollout. Synthetic data keeps [-1, 1]."""
+    vis = config.vision
+    if config.model.kind != "vla" or not vis.state_dims or vis.state_low or not config.data.train:
+        return config
+    from jaxpar.data.lerobot import STATE_KEY, LeRobotSource, compute_action_quantiles, is_lerobot
+
+    if not is_lerobot(config.data.train):
+        return config  # (jaxpar episodes carry no state: make_source says so in one line)
+    low, high = _previous_run_range(workdir, vis.state_dims, "vision", ("state_low", "state_high"))
+    if low is None:
+        low, high = (LeRobotSource.stored_action_quantiles(config.data.train, STATE_KEY)
+                     or compute_action_quantiles(config.data.train, STATE_KEY))
+    if len(low) != vis.state_dims:
+        raise ConfigError(f"{config.data.train}: {STATE_KEY} has {len(low)} dims, but vision.state_dims="
+                          f"{vis.state_dims}; set vision.state_dims={len(low)}")
+    vision = dataclasses.replace(vis, state_low=tuple(map(float, low)), state_high=tuple(map(float, high)))
+    return dataclasses.replace(config, vision=vision)
+
+
+def _previous_run_range(workdir: pathlib.Path, dims: int, group: str = "actions", keys=("q01", "q99")):
+    """The range (`keys` of config group `group`) of the config.json a previous run left in `workdir`, if it had one."""
     path = workdir / "config.json"
     if not path.is_file() or not (workdir / "checkpoints").is_dir():
         return None, None
     try:
-        actions = json.loads(path.read_text()).get("actions", {})
+        values = json.loads(path.read_text()).get(group, {})
     except json.JSONDecodeError:
         raise ConfigError(f"{path} is not valid JSON; restore it or use a fresh --workdir") from None
-    q01, q99 = actions.get("q01") or None, actions.get("q99") or None
-    return (q01, q99) if q01 and len(q01) == dims else (None, None)
+    low, high = values.get(keys[0]) or None, values.get(keys[1]) or None
+    return (low, high) if low and len(low) == dims else (None, None)
 
 
 def _data_quantiles(config: Config, workdir: pathlib.Path, is_primary: bool):

@@ -106,7 +106,7 @@ def episode_batch(config: Config, records: dict, with_values: bool = False) -> d
     from jaxpar.models import vla
 
     batch = vla.make_batch(config, records["images"], records["instruction"].astype(np.int32), records["actions"],
-                           records.get("instruction_bytes"), records.get("action_valid"))
+                           records.get("instruction_bytes"), records.get("action_valid"), records.get("state"))
     if with_values:
         batch["values"] = vla.action_values(config, records["actions"])
     return batch
@@ -119,15 +119,20 @@ def make_source(config: Config, directory: str, split: str = "train"):
     _check_reader_keys(config)
     if config.model.kind != "vla":
         return TokenSource(directory, config.train.seq_len, config.model.vocab_size)
-    from jaxpar.data.lerobot import LeRobotSource, is_lerobot
+    from jaxpar.data.lerobot import STATE_KEY, LeRobotSource, is_lerobot
 
     if is_lerobot(directory):
         source = LeRobotSource(directory, InstructionEncoder.for_config(config), config.vision.image_size,
                                cameras=config.data.cameras or None, resize=config.vision.resize,
-                               cache_bytes=config.data.frame_cache_mb << 20)
+                               cache_bytes=config.data.frame_cache_mb << 20,
+                               state_key=STATE_KEY if config.vision.state_dims else None)
         if config.data.eval_episodes:
             source = source.subset(held_out_split(config, source.episode_indices)[split])
     else:
+        if config.vision.state_dims:
+            raise ConfigError(f"vision.state_dims={config.vision.state_dims} reads a LeRobot dataset's {STATE_KEY}, "
+                              f"but {directory} holds jaxpar episodes, which carry no state; write the demo as LeRobot "
+                              f"(data.demo_format=lerobot) or set vision.state_dims=0")
         if config.data.cameras or config.data.eval_episodes:
             raise ConfigError(f"data.cameras and data.eval_episodes are for LeRobot datasets; {directory} holds "
                               f"jaxpar episodes (all cameras, in order; held out in their own data.eval directory)")
@@ -167,8 +172,16 @@ def held_out_split(config: Config, episodes: list[int]) -> dict[str, list[int]]:
 
 
 def _check_episode_shapes(config: Config, source: EpisodeSource) -> None:
+    from jaxpar.data.lerobot import STATE_KEY
+
     v, act = config.vision, config.actions
     want = {"images": (v.cameras, v.image_size, v.image_size, v.channels), "actions": (act.dims,)}
+    if v.state_dims:
+        want["state"] = (v.state_dims,)
+        if source.shapes.get("state") != want["state"]:
+            raise ConfigError(f"{source.directory}: {STATE_KEY} has {source.shapes.get('state', (0,))[0]} dims, but "
+                              f"vision.state_dims={v.state_dims}; set vision.state_dims="
+                              f"{source.shapes.get('state', (0,))[0]}")
     if source.shapes != want:
         raise ConfigError(f"{source.directory}: episodes have images {source.shapes['images']} and actions "
                           f"{source.shapes['actions']} per step, but the config expects {want['images']} "

@@ -86,19 +86,21 @@ def hidden_states(params: dict, x: jax.Array, cache: dict, start, cfg: ModelConf
 
 
 def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT: jax.Array,
-                    config, instruction_bytes_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                    config, instruction_bytes_BxT: jax.Array | None = None,
+                    state_BxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """A VLA's greedy action tokens [B, dims] on one device, and the logits they were chosen from
     [B, dims, bins]: the image + instruction prefix in one call, then one action token per call,
     each the most likely among the action tokens only. With actions.chunk = H > 1: [B, H x dims] tokens
     (step-major) and their logits from one call over the prefix and the placeholder slots. Images are uint8 pixels, scaled in the encoder
     (jaxpar.models.vit.normalise). `instruction_bytes_BxT`: what FiLM reads when the LLM reads a
     tokenizer's ids (jaxpar.data.instructions). With actions.head = l1 there are no tokens: ([B, H x dims] the
-    actions in their own units, [B, H x dims] the head's normalised values)."""
+    actions in their own units, [B, H x dims] the head's normalised values). `state_BxS`: the robot's state, which
+    the encoder reads with vision.state_dims (jaxpar.models.vit, "The state token")."""
     from jaxpar.models import vit, vla
 
     coll, cfg, dims = Collectives(), config.model, config.actions.dims
     film = instruction_BxT if instruction_bytes_BxT is None else instruction_bytes_BxT
-    tokens = vit.encode(params, images_BxCamxHxWxC, config.vision, coll, None, film)
+    tokens = vit.encode(params, images_BxCamxHxWxC, config.vision, coll, None, film, state_BxS)
     first_action = cfg.vocab_size - config.actions.bins
     if config.actions.parallel_slots:  # every slot of the chunk in one call (jaxpar.models.vla: parallel decoding)
         slots = vla.action_targets(config)

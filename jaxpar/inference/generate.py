@@ -316,11 +316,16 @@ def predict_episode_action(args) -> dict:
         raise ConfigError(f"--episode {path}: no such file")
     with np.load(path) as episode:
         images, instruction, actions = episode["images"], str(episode["instruction"]), episode["actions"]
+        states = episode["state"] if "state" in episode.files else None
+    if config.vision.state_dims and states is None:
+        raise ConfigError(f"--episode {path} has no 'state' array, and this run's VLA reads the robot's state "
+                          f"(vision.state_dims={config.vision.state_dims}); give an episode that records it")
     if not 0 <= args.step < len(images):
         raise ConfigError(f"--step {args.step} is outside {path}'s {len(images)} steps")
     image = np.asarray(images[args.step][None], np.uint8)  # uint8, as training feeds them (scaled on the device)
     text, film = InstructionEncoder.for_config(config).encode_batch([instruction], path)  # as training encoded it
-    out = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config, film)[0])[0]
+    state = None if not config.vision.state_dims else np.asarray(states[args.step][None], np.float32)
+    out = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config, film, state)[0])[0]
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
     chunk, dims = config.actions.chunk, config.actions.dims
     if config.actions.head == "l1":  # the values themselves, no tokens

@@ -20,6 +20,14 @@ transformers' pixel_values and the equivalence tests against it are floats; jaxp
 Projector: a 2-layer GELU MLP into the LLM width (LLaVA / OpenVLA). Tensor parallel in the Megatron
 layout over the vision tp axis, through the same `Collectives` hooks as the LLM, and with the same
 checkpoint_name tags, so the remat policies of jaxpar.parallel.remat mean the same for the encoder.
+
+The state token (vision.state_dims > 0): the robot's proprioceptive state [B, state_dims] (LeRobot's
+observation.state) becomes one more prefix token after the image patches, a linear map of the state normalised
+to [-1, 1] by the config's per-dim range (the data's q01 / q99, stored with the run as the actions' bins are).
+Why here and not in the LLM: the encoder's output is already "the observation's tokens" to every parallel path
+(the vision component's batch split and gather, a pipeline's first input, cp's slicing, ZeRO over the encoder's
+data axes), so one more token there needs none of them changed, and the state is sliced with the images it
+belongs to. pi0 reads the state as one token the same way; OpenVLA-OFT projects it with a small MLP.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import VisionConfig, patches_per_image
@@ -54,6 +63,10 @@ BLOCK_BIAS_AXES = {"q_bias": ("vit_heads", "head_dim"), "k_bias": ("vit_heads", 
 STEM_AXES = {"patch_embed": ("patch", "vit_embed"), "pos_embed": ("patches", "vit_embed"),
              "final_scale": ("vit_embed",), "final_bias": ("vit_embed",)}
 PROJECTOR_AXES = {"w1": ("vit_embed", "proj_mlp"), "w2": ("proj_mlp", "embed")}
+# vision.state_dims > 0: the proprioceptive state's token, a linear map of the normalised state into the LLM's width
+# (in the projector: it too maps an observation into the LLM's space; replicated over the encoder's tp, added after
+# the image tokens' tp sum)
+STATE_AXES = {"state_proj": ("state_dims", "embed"), "state_bias": ("embed",)}
 FILM_AXES = {"film_embed": ("bytes", "vit_embed"), "film_proj": ("vit_embed", "vit_layers", "film_out")}
 # fp8.recipe=delayed: the blocks' and the projector's linears carry delayed-scaling counters as the LLM's layers do
 # (jaxpar.models.llama.FP8_LIVES; rows in these orders), K and V taking Q's input counters
@@ -71,7 +84,7 @@ def param_axes(cfg: VisionConfig, fp8_lives: bool = False) -> dict:
     """Logical axes of every weight; `fp8_lives`: with the delayed-scaling counters (`fp8_lives_shapes`)."""
     stem = {**STEM_AXES, **(FILM_AXES if cfg.film else {}), **({"patch_bias": ("vit_embed",)} if cfg.bias else {})}
     blocks = {k: ("vit_layers",) + v for k, v in block_axes(cfg).items()}
-    projector = dict(PROJECTOR_AXES)
+    projector = {**PROJECTOR_AXES, **(STATE_AXES if cfg.state_dims else {})}
     if fp8_lives:
         blocks[FP8_LIVES], projector[FP8_LIVES] = ("vit_layers",) + FP8_LIVES_AXES, FP8_LIVES_AXES
     return {"vit": {**stem, "blocks": blocks}, "projector": projector}
@@ -126,8 +139,10 @@ def param_shapes(cfg: VisionConfig, llm_width: int) -> dict:
     if cfg.bias:
         stem["patch_bias"] = (d,)
         block.update(q_bias=(n, h), k_bias=(n, h), v_bias=(n, h), o_bias=(d,), in_bias=(f,), out_bias=(d,))
-    return {"vit": {**stem, "blocks": {k: (cfg.depth,) + s for k, s in block.items()}},
-            "projector": {"w1": (d, cfg.projector_dim), "w2": (cfg.projector_dim, llm_width)}}
+    projector = {"w1": (d, cfg.projector_dim), "w2": (cfg.projector_dim, llm_width)}
+    if cfg.state_dims:
+        projector.update(state_proj=(cfg.state_dims, llm_width), state_bias=(llm_width,))
+    return {"vit": {**stem, "blocks": {k: (cfg.depth,) + s for k, s in block.items()}}, "projector": projector}
 
 
 FAN_IN_DIMS = {"wo": 2}  # weights whose input spans two dims (heads x head_dim); the rest: the first dim
@@ -256,15 +271,36 @@ def vit_block(x_BxNxD: jax.Array, p: dict, coll: Collectives, attention: str = "
 
 
 def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll: Collectives,
-           remat_policy: Callable | None = None, instruction_BxT: jax.Array | None = None) -> jax.Array:
+           remat_policy: Callable | None = None, instruction_BxT: jax.Array | None = None,
+           state_BxS: jax.Array | None = None) -> jax.Array:
     """Images (and, with cfg.film, the instruction bytes) -> projected image tokens
-    [B, cameras x patches, llm_width] in the params' dtype."""
+    [B, cameras x patches (+ 1: the state's token with cfg.state_dims), llm_width] in the params' dtype."""
     x = features(params, images_BxCamxHxWxC, cfg, coll, remat_policy, instruction_BxT)
-    proj = _linears_with_lives(params["projector"], coll, PROJECTOR_AXES, PROJECTOR_LINEARS)
+    proj = _linears_with_lives(params["projector"], coll, param_axes(cfg)["projector"], PROJECTOR_LINEARS)
     hidden = jax.nn.gelu(coll.linear("bnd,df->bnf", x, proj["w1"]))
     tokens = coll.tp_sum(coll.linear("bnf,fd->bnd", hidden, proj["w2"]))  # Megatron's column / row pair over tp
     b = images_BxCamxHxWxC.shape[0]
-    return tokens.reshape(b, -1, tokens.shape[-1])
+    tokens = tokens.reshape(b, -1, tokens.shape[-1])
+    if not cfg.state_dims:
+        return tokens
+    if state_BxS is None:
+        raise ValueError("vision.state_dims > 0: the encoder reads the proprioceptive state; pass state_BxS")
+    return jnp.concatenate([tokens, state_token(proj, state_BxS, cfg).astype(tokens.dtype)], axis=1)
+
+
+def normalise_state(state_BxS: jax.Array, cfg: VisionConfig) -> jax.Array:
+    """The state -> [-1, 1] per dim by [state_low, state_high] (clipped; a dim that never varies: 0), in fp32."""
+    low, high = (jnp.asarray(np.asarray(bound, np.float32)) for bound in cfg.state_range())
+    span = jnp.where(high > low, high - low, 1.0)
+    unit = 2.0 * (state_BxS.astype(jnp.float32) - low) / span - 1.0
+    return jnp.where(high > low, jnp.clip(unit, -1.0, 1.0), 0.0)
+
+
+def state_token(proj: dict, state_BxS: jax.Array, cfg: VisionConfig) -> jax.Array:
+    """The state's one prefix token [B, 1, llm_width]: a linear map of the normalised state (as pi0's state
+    projection; OFT's proprio projector is an MLP). The same on every encoder tp rank (its weights are not split)."""
+    unit = normalise_state(state_BxS, cfg).astype(proj["state_proj"].dtype)
+    return (unit @ proj["state_proj"] + proj["state_bias"])[:, None, :]
 
 
 def features(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll: Collectives,

@@ -81,7 +81,8 @@ def action_targets(config: Config) -> int:
 
 
 def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, actions: np.ndarray,
-               instruction_bytes: np.ndarray | None = None, valid: np.ndarray | None = None) -> dict:
+               instruction_bytes: np.ndarray | None = None, valid: np.ndarray | None = None,
+               state: np.ndarray | None = None) -> dict:
     """Host batch: images uint8 [B, cams, H, W, C] (kept uint8: the encoder scales them on the device,
     jaxpar.models.vit.normalise), the LLM's instruction ids [B, T_text], actions [B, dims] in
     [low, high]; `instruction_bytes` [B, T_text]: what FiLM reads when the LLM reads a tokenizer's ids
@@ -96,6 +97,8 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
     inside the episode (default all). The LLM sees [image tokens, instruction, H x dims placeholders];
     each placeholder's position predicts its own step's token (the position before the slots predicts
     nothing), and the mask keeps the valid steps' tokens.
+
+    `state` [B, vision.state_dims]: the proprioceptive state the encoder reads with vision.state_dims > 0.
     """
     act = config.actions
     tokenizer = ActionTokenizer(act, config.model.vocab_size)
@@ -128,6 +131,12 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
         batch["values"] = action_values(config, steps)
     if instruction_bytes is not None:
         batch["instruction_bytes"] = np.asarray(instruction_bytes, np.int32)
+    if config.vision.state_dims:
+        want = (batch_size, config.vision.state_dims)
+        if state is None or np.shape(state) != want:
+            raise ValueError(f"vision.state_dims={want[1]}: make_batch needs the state {list(want)}, got "
+                             f"{None if state is None else np.shape(state)}")
+        batch["state"] = np.asarray(state, np.float32)
     return batch
 
 
@@ -175,11 +184,15 @@ def synthetic_batch(config: Config, step: int, batch_size: int) -> dict:
     instructions = rng.integers(0, min(text_vocab, vit.INSTRUCTION_VOCAB), (batch_size, act.instruction_len))
     means = images.reshape(batch_size, -1, vis.channels).mean(axis=1) / 255.0  # [B, C] in [0, 1]
     actions = np.tanh(4.0 * (np.resize(means, (batch_size, act.dims)) - 0.5))
+    state = None
+    if vis.state_dims:  # some of it out of [-1, 1] (clipped), and the actions depend on it too
+        state = rng.normal(0.0, 0.8, (batch_size, vis.state_dims)).astype(np.float32)
+        actions = np.clip(actions + 0.3 * np.resize(state, (batch_size, act.dims)), -1.0, 1.0)
     if act.chunk == 1:
-        return make_batch(config, images, instructions, actions)
+        return make_batch(config, images, instructions, actions, state=state)
     later = np.linspace(1.0, 0.5, act.chunk)[None, :, None]  # each step of the chunk its own function
     valid = np.arange(act.chunk)[None, :] < rng.integers(1, act.chunk + 1, (batch_size, 1))  # episode ends
-    return make_batch(config, images, instructions, actions[:, None, :] * later, valid=valid)
+    return make_batch(config, images, instructions, actions[:, None, :] * later, valid=valid, state=state)
 
 
 def instruction_ids(batch: dict, config: Config):
@@ -192,8 +205,10 @@ def instruction_ids(batch: dict, config: Config):
 
 def encode_images(params: dict, batch: dict, config: Config, coll: Collectives = Collectives(),
                   policy=None) -> jax.Array:
-    """The batch's projected image tokens (the encoder reads the instruction too with vision.film)."""
-    return vit.encode(params, batch["images"], config.vision, coll, policy, instruction_ids(batch, config))
+    """The batch's projected image tokens (the encoder reads the instruction too with vision.film, and the state
+    with vision.state_dims)."""
+    return vit.encode(params, batch["images"], config.vision, coll, policy, instruction_ids(batch, config),
+                      batch.get("state"))
 
 
 def llm_inputs(params: dict, image_tokens_BxIxD: jax.Array, inputs_BxT: jax.Array, coll: Collectives) -> jax.Array:

@@ -54,11 +54,11 @@ class Evaluator:
         if b.vision is not None:
             image_tokens, _ = b.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
                                                vla.instruction_ids(batch, self.config),
-                                               gather=not b.sums_own_images)
+                                               gather=not b.sums_own_images, state=batch.get("state"))
         llm = {k: v for k, v in params.items() if k not in VISION_KEYS}
         if b.dp_axis and not b.zero.gathers_weights:  # typed as in training (see StepBuilder)
             llm = jax.lax.pcast(llm, b.data_axes, to="varying")
-        text = b.context_shard({k: v for k, v in batch.items() if k != "images"})
+        text = b.context_shard({k: v for k, v in batch.items() if k not in ("images", "state")})
         if self.mesh.shape["pp"] > 1:  # the forward slots of the training table (its chunk order)
             split, micro, extra = b.pipeline_inputs(llm, text, image_tokens)
             zeros = {k: jnp.zeros(self._sum_shape(k), jnp.float32) for k in self.keys}

@@ -276,6 +276,8 @@ class StepBuilder:
                 shapes["instruction_bytes"] = ((batch, self.config.actions.instruction_len), jnp.int32)
             if self.config.actions.head == "l1":  # the values the l1 head regresses (vla.make_batch)
                 shapes["values"] = ((batch, seq), jnp.float32)
+            if v.state_dims:  # the proprioceptive state the encoder reads (jaxpar.models.vit, "The state token")
+                shapes["state"] = ((batch, v.state_dims), jnp.float32)
         return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype) in shapes.items()}
 
     # ------------------------------------------------------------------ loss and gradients
@@ -317,7 +319,7 @@ class StepBuilder:
             image_tokens, vision_vjp = self.vision.forward({k: params[k] for k in VISION_KEYS}, batch["images"],
                                                            vla.instruction_ids(batch, self.config),
                                                            gather=not self.sums_own_images,
-                                                           calibrating=self.fp8_calibrating)
+                                                           calibrating=self.fp8_calibrating, state=batch.get("state"))
         if image_tokens is not None:  # (XLA:CPU) the LLM's collectives after the encoder's
             batch = after(batch, image_tokens)
             if self.context_ways > 1:  # each cp rank's image cotangent is its own tokens' share: summed below
@@ -497,8 +499,9 @@ class StepBuilder:
         if self.context_ways == 1:
             return batch
         positions = self.collectives().context_positions(self.seq_len // self.context_ways)
-        return {k: (jnp.take(v, positions, axis=1) if v.ndim >= 2 and v.shape[1] == self.seq_len else v)
-                for k, v in batch.items()}
+        def sequence_shaped(key, value):  # (not the state [B, state_dims], whatever its dims)
+            return key != "state" and value.ndim >= 2 and value.shape[1] == self.seq_len
+        return {k: (jnp.take(v, positions, axis=1) if sequence_shaped(k, v) else v) for k, v in batch.items()}
 
     def loss_and_grads(self, params, batch):
         """Global mean token loss, gradients (laid out as ZeRO's gradient specs) and their global L2 norm."""

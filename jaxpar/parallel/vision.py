@@ -59,24 +59,26 @@ class VisionComponent:
             index = index * size + jax.lax.axis_index(axis)
         return index
 
-    def forward(self, params, images, instruction, gather: bool = True, calibrating: bool = False):
+    def forward(self, params, images, instruction, gather: bool = True, calibrating: bool = False, state=None):
         """(image tokens [B_dp, I, D] for this dp shard, the same on every pp / tp rank; their vjp).
         `instruction` [B_dp, T] (the bytes) is only read with vision.film. `gather=False`: this rank's
         own slice [B_dp / split ways, I, D] (rows split_index() * that onwards), for a first input that
         sums each rank's images into the sequence itself (`owned_rows`). `calibrating`: fp8.recipe=delayed's
-        calibration pass (Collectives.fp8_calibrating)."""
+        calibration pass (Collectives.fp8_calibrating). `state` [B_dp, state_dims]: with vision.state_dims, sliced
+        with the images (its token is one more image token)."""
         ways = math.prod(self.split_sizes)
         chunk = images.shape[0] // ways
         start = self._split_index() * chunk
         mine = jax.lax.dynamic_slice_in_dim(images, start, chunk, axis=0)
         my_instruction = jax.lax.dynamic_slice_in_dim(instruction, start, chunk, axis=0)
+        my_state = None if state is None else jax.lax.dynamic_slice_in_dim(state, start, chunk, axis=0)
         if self.data_axes:  # each device's gradient is its own share; summed in reduce_grads
             params = jax.lax.pcast(params, self.data_axes, to="varying")
         params = fp8_counters.varying_over_tp(params, self.lives_axes)
         coll = dataclasses.replace(self.coll, fp8_calibrating=calibrating)
 
         def encode(p):
-            tokens = vit.encode(p, mine, self.cfg, coll, self.policy, my_instruction)
+            tokens = vit.encode(p, mine, self.cfg, coll, self.policy, my_instruction, my_state)
             if not self.split_axes or not gather:
                 return tokens
             # every split rank's slice, in _split_index's order, typed the same on each rank ("invarying"):

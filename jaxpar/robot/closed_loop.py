@@ -13,11 +13,13 @@ import numpy as np
 def step_closed_loop(env, policy, max_steps: int, frames: int, recorded: list, after_step=None) -> tuple[int, int]:
     """Step `policy` in `env` (TaskEnv, or jaxpar.robot.metaworld.MetaWorldEnv) until every scene is done or
     `max_steps` steps; (steps taken, policy calls). A chunk [B, H, dims] runs open loop, H steps per call.
-    The camera-0 frames of the first `frames` scenes go into `recorded`, one per step and the last."""
+    The camera-0 frames of the first `frames` scenes go into `recorded`, one per step and the last. A policy
+    with `reads_state` set (a VLA with vision.state_dims: model_policy) is also given `env.state()`."""
     instructions, taken, calls = env.instructions, 0, 0
     while taken < max_steps and not env.done.all():
         images = env.render()
-        actions = np.asarray(policy(images, instructions))
+        state = (env.state(),) if getattr(policy, "reads_state", False) else ()
+        actions = np.asarray(policy(images, instructions, *state))
         calls += 1
         if actions.ndim == 3 and actions.shape[1] == 0:
             raise ValueError("the policy returned an empty chunk [B, 0, dims]; return at least one step")

@@ -106,6 +106,11 @@ class TaskEnv:
     def instructions(self) -> list[str]:
         return [instruction(colour) for colour in self.colours]
 
+    def state(self) -> np.ndarray:
+        """float32 [B, 2]: the proprioceptive state, the effector's cell / (grid - 1), as the LeRobot writer
+        stores observation.state (jaxpar.data.lerobot_write)."""
+        return (self.effector / (self.shape.grid - 1)).astype(np.float32)
+
     def render(self) -> np.ndarray:
         """uint8 [B, cameras, H, W, 3]: pixel for pixel what episodes.render draws for each scene."""
         cell = self.shape.size // self.shape.grid

@@ -187,6 +187,10 @@ class MetaWorldEnv:
         """uint8 [B, 1, H, W, 3]: each scene's camera now."""
         return np.stack([sim.frame() for sim in self.sims])[:, None]
 
+    def state(self) -> np.ndarray:
+        """float32 [B, 4]: each scene's proprioceptive state now (MetaWorldTask.state, as the demos record it)."""
+        return np.stack([sim.state() for sim in self.sims])
+
     def step(self, actions: np.ndarray) -> np.ndarray:
         """One action per scene (float [B, 4], clipped to [-1, 1] as the env does); the scenes that succeeded now."""
         actions = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)

@@ -86,19 +86,24 @@ def model_policy(config, weights, predict=None, place=None):
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
     encoder, encoded = InstructionEncoder.for_config(config), {}
 
-    def policy(images: np.ndarray, instructions: list[str]) -> np.ndarray:
+    def policy(images: np.ndarray, instructions: list[str], state: np.ndarray | None = None) -> np.ndarray:
         key = tuple(instructions)
         if key not in encoded:  # the same scenes' words every step
             arrays = encoder.encode_batch(instructions, "the rollout task")
             encoded[key] = tuple(None if a is None else place(a) for a in arrays)
         pixels = place(np.asarray(images, np.uint8))  # the encoder scales them (jaxpar.models.vit.normalise)
-        out = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1])[0])
+        if config.vision.state_dims and state is None:
+            raise ValueError(f"vision.state_dims={config.vision.state_dims}: this policy reads the robot's state; "
+                             f"pass it (the closed loop does: policy.reads_state)")
+        state = None if state is None else place(np.asarray(state, np.float32))
+        out = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1], state)[0])
         if config.actions.parallel_slots:  # [B, H x dims] step-major -> [B, H, dims]
             out = out.reshape(out.shape[0], config.actions.chunk, config.actions.dims)
         if config.actions.head == "l1":  # the actions themselves
             return out.astype(np.float32)[:, 0] if config.actions.chunk == 1 else out.astype(np.float32)
         return np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(out)), np.float32)
 
+    policy.reads_state = bool(config.vision.state_dims)
     return policy
 
 
