@@ -3,6 +3,8 @@ image patches, a linear map of the state normalised by the config's range. The t
 changes the loss, and every layout family equals one device with it."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -136,3 +138,25 @@ def test_the_closed_loop_gives_a_state_reading_policy_the_robots_state():
     assert not np.array_equal(here, there)
     with pytest.raises(ValueError, match="this policy reads the robot's state"):
         model(images, instructions)
+
+
+@pytest.mark.slow  # a CLI run with closed-loop rollouts (make test's 15 minutes; the pieces are tested above)
+def test_a_vla_trains_on_the_states_of_a_lerobot_dataset_and_rolls_out_with_them(tmp_path):
+    """Through the trainer: the range resolved from the data and stored in config.json, the held-out split
+    evaluated, and closed-loop rollouts that give the policy the simulator's state."""
+    from jaxpar.data.lerobot_write import write_lerobot_splits
+
+    write_lerobot_splits(tmp_path / "data", 8, 4, seed=3, size=16, grid=4, dims=7, cameras=1, video_size=16)
+    run = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", "vla_tiny", "--workdir", str(tmp_path / "run"),
+                          "--config.mesh.dp=1", "--config.mesh.pp=2", "--config.mesh.tp=2", "--config.train.steps=4",
+                          "--config.train.global_batch_size=4", f"--config.data.train={tmp_path / 'data' / 'train'}",
+                          f"--config.data.eval={tmp_path / 'data' / 'heldout'}", "--config.data.generate=false",
+                          "--config.eval.every=0", "--config.eval.rollouts=4", "--config.vision.state_dims=2",
+                          "--config.model.n_layers=2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["vision"]
+    stats = json.loads((tmp_path / "data" / "train" / "meta" / "stats.json").read_text())["observation.state"]
+    np.testing.assert_array_equal(np.float32(saved["state_low"]), np.float32(stats["q01"]))
+    np.testing.assert_array_equal(np.float32(saved["state_high"]), np.float32(stats["q99"]))
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0.0 <= last["eval_success_rate"] <= 1.0 and "eval_action_accuracy" in last
