@@ -254,6 +254,9 @@ SLOW_LAYOUTS = {  # the rest of the matrix, in `make test-slow` (CI runs both)
                                                             remat=RematConfig(policy="full"))),
     "VLA cp ring 1f1b": lambda: _vla(mesh=dict(dp=1, pp=2, tp=2, cp=2, cp_strategy="ring"), vision=dict(tp=1),
                                      pipeline=dict(schedule="1f1b"), zero=dict(stage=1), actions=dict(instruction_len=34)),
+    # action chunks under cp: the whole sequence is the prefix, K / V gathered for one unmasked call, no ring (issue 49)
+    "VLA chunks under cp ring": lambda: _vla(mesh=dict(dp=2, pp=1, tp=2, cp=2, cp_strategy="ring"), vision=dict(tp=1),
+                                             pipeline=dict(microbatches=1), zero=dict(stage=1), actions=dict(chunk=4)),
     # zb under fp8: B's FP8 input gradients, W's FP8 weight gradients and the counters' bins from W
     "fp8 delayed zb": lambda: _delayed(replace(make_config(dp=2, pp=2, tp=2, stage=1),
                                                pipeline=PipelineConfig(microbatches=4, schedule="zb"))),

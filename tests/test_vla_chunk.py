@@ -102,6 +102,24 @@ def test_chunked_vla_under_context_parallelism_matches_single_device(strategy):
                  grads, ref_grads)
 
 
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_under_cp_a_whole_sequence_prefix_computes_no_causal_block(strategy):
+    """Every query sees every key, so the rank's queries take one unmasked call against the gathered keys: no ring
+    passes blocks (no collective-permute) and no block's causal mask is built (no select on the scores' compare),
+    where a partial prefix (one step's tokens) still runs them (jaxpar.layers.collectives.context_attention)."""
+    def step_text(config):
+        builder = base.builder(base.with_values(config, mesh=dict(dp=2, pp=1, tp=2, cp=2, cp_strategy=strategy),
+                                                pipeline=dict(microbatches=1)))
+        return builder.jit_train_step().lower(builder.abstract_state(), builder.abstract_batch()).as_text()
+
+    whole, partial = step_text(CONFIG), step_text(base.with_values(base.BASE, actions=dict(instruction_len=30)))
+    if strategy == "ring":  # the ring's sends
+        assert "collective_permute" in partial and "collective_permute" not in whole
+    # every block but the own one is a cond (jaxpar.layers.ring), in the layers' scan forward and backward
+    conds = whole.count("stablehlo.case"), partial.count("stablehlo.case")
+    assert conds[0] + 2 <= conds[1], conds
+
+
 def test_decoding_a_chunk_reads_the_training_forward():
     """predict_actions' one call gives the tokens the training forward's logits pick at the slots, so a
     model that learned the loss acts as it learned."""

@@ -84,8 +84,9 @@ def sites(config: Config) -> list[Site]:
             mask = "none"
     else:
         seq, mask = config.train.seq_len, "causal"
-    if config.mesh.cp > 1 and config.mesh.cp_strategy != "ulysses":  # jaxpar.layers.ring: causal or unmasked
-        mask = "cp"  # blocks, a prefix-LM's prefix unmasked beside (ulysses: one device's call on 1/cp of the heads)
+    if config.mesh.cp > 1 and config.mesh.cp_strategy != "ulysses" and mask != "none":  # jaxpar.layers.ring: causal
+        mask = "cp"  # or unmasked blocks, a prefix-LM's prefix unmasked beside (ulysses: one device's call on 1/cp of
+        # the heads; a whole-sequence prefix: one unmasked call against the gathered keys, no block)
     out = [Site("LLM", "model.attention", dtype, model.head_dim, seq, mask)]
     if model.kind == "vla":
         v = config.vision

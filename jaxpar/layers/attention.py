@@ -93,7 +93,8 @@ def context_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax
     key it sees lies there), so its row is one unmasked attention against them; a query after it sees
     what causal attention gives. Both are computed for the rank's queries (it cannot know statically
     which of them lie in the prefix) and each row takes its own: the prefix's attention costs 2 c x P
-    more, and no kernel ever gets a mask."""
+    more, and no kernel ever gets a mask. A prefix that is the whole sequence (action chunks) is that one
+    unmasked call alone: no causal block is computed."""
     if coll.context_strategy == "ulysses":  # the whole sequence for 1/cp of the heads: attention as on one device
         q, k, v = ulysses.heads_from_sequence(q_BxSxNxH, k_BxSxKxH, v_BxSxKxH, coll.context_axis)
         whole = prefix_len >= q.shape[1]  # the whole sequence is the prefix (action chunks): no mask at all
@@ -104,6 +105,8 @@ def context_attention(q_BxSxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax
     if prefix is None:
         return causal_BxSxNxH
     prefix_BxSxNxH = core_attention(q_BxSxNxH, *prefix, implementation)
+    if causal_BxSxNxH is None:  # the whole sequence is the prefix: one unmasked call, no causal block computed
+        return prefix_BxSxNxH
     in_prefix = (positions_S < prefix_len)[None, :, None, None]
     return jnp.where(in_prefix, prefix_BxSxNxH, causal_BxSxNxH)
 

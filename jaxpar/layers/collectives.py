@@ -108,10 +108,14 @@ class Collectives:
         bidirectional prefix comes back as its keys and values in position order, for the caller's one
         unmasked attention of them (jaxpar.layers.attention): sliced from the gathered K / V, or for the
         ring gathered over cp on their own, before the ring's sends and, in the backward, after them
-        (XLA:CPU's order)."""
+        (XLA:CPU's order). A prefix that is the whole sequence (a VLA's action chunks) needs no causal
+        block at all: (None, the whole K / V), gathered alike by both strategies, and no ring runs."""
         axis = self.context_axis
         ways = jax.lax.axis_size(axis)
         gather = lambda a: jax.lax.all_gather(a, axis, axis=1, tiled=True)  # noqa: E731
+        if prefix_len >= ways * q_BxSxNxH.shape[1]:  # every query sees every key: the causal blocks would be discarded
+            gathered = chain_both_ways(gather, (k_BxSxKxH, v_BxSxKxH))
+            return None, tuple(blockwise.in_position_order(x, ways, prefix_len) for x in gathered)
         if self.context_strategy == "ring":
             prefix = None
             if prefix_len:  # (a VLA: short sequences, whose prefix is most of them)

@@ -167,6 +167,8 @@ def attention_share(config: Config) -> float:
     cp, model = config.mesh.cp, config.model
     prefix = model.kind == "vla" and model.prefix_lm
     cudnn = model.attention == "cudnn"
+    if model.kind == "vla" and vla.prefix_len(config) >= seq_len(config):  # action chunks: one unmasked call, also
+        return 1.0  # under cp (against the gathered keys: jaxpar.layers.collectives.context_attention), no block
     if cp <= 1 or config.mesh.cp_strategy == "ulysses":  # (ulysses: one device's kernel on 1/cp of the heads)
         return 0.5 if cudnn and not prefix else 1.0
     share = 0.5 if cudnn else (cp + 1) / (2 * cp)
