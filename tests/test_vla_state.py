@@ -106,7 +106,7 @@ def test_a_lerobot_datasets_state_reaches_the_batch_normalised_by_its_stats(tmp_
     with pytest.raises(ConfigError, match=r"observation.state has 2 dims, but vision.state_dims=3; set vision.state_dims=2"):
         resolve_state_range(small_vla(f"data.train={root}", "vision.state_dims=3"), tmp_path / "run")
     with pytest.raises(ConfigError, match="carry no state; write the demo as LeRobot"):
-        make_source(small_vla("vision.state_dims=2"), "data/vla_tiny/heldout")
+        make_source(small_vla("vision.state_dims=2"), str(tmp_path / "jaxpar_episodes"))
 
 
 def test_the_closed_loop_gives_a_state_reading_policy_the_robots_state():

@@ -115,7 +115,7 @@ class Collectives:
         gather = lambda a: jax.lax.all_gather(a, axis, axis=1, tiled=True)  # noqa: E731
         if prefix_len >= ways * q_BxSxNxH.shape[1]:  # every query sees every key: the causal blocks would be discarded
             gathered = chain_both_ways(gather, (k_BxSxKxH, v_BxSxKxH))
-            return None, tuple(blockwise.in_position_order(x, ways, prefix_len) for x in gathered)
+            return None, tuple(blockwise.in_position_order(x, ways) for x in gathered)
         if self.context_strategy == "ring":
             prefix = None
             if prefix_len:  # (a VLA: short sequences, whose prefix is most of them)
