@@ -324,8 +324,8 @@ def predict_episode_action(args) -> dict:
         raise ConfigError(f"--step {args.step} is outside {path}'s {len(images)} steps")
     image = np.asarray(images[args.step][None], np.uint8)  # uint8, as training feeds them (scaled on the device)
     text, film = InstructionEncoder.for_config(config).encode_batch([instruction], path)  # as training encoded it
-    state = None if not config.vision.state_dims else np.asarray(states[args.step][None], np.float32)
-    out = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config, film, state)[0])[0]
+    reads = (np.asarray(states[args.step][None], np.float32),) if config.vision.state_dims else ()  # the state
+    out = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config, film, *reads)[0])[0]
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
     chunk, dims = config.actions.chunk, config.actions.dims
     if config.actions.head == "l1":  # the values themselves, no tokens
