@@ -47,7 +47,7 @@ test-slow: $(STAMP) $(GPU_AOT_STAMP)
 test-extra: $(STAMP) $(GPU_AOT_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist worksteal -m extra
 
-## The proof-of-learning runs (llama_tiny and vla_tiny as shipped; slow tests, about 9 minutes): CI runs them last, in `make test-slow`.
+## The proof-of-learning runs (llama_tiny and vla_tiny as shipped; slow tests, about 13 minutes): CI runs them last, in `make test-slow`.
 test-learning: $(STAMP)
 	$(BIN)/python -m pytest -q -s -m slow tests/test_learning.py
 
