@@ -105,7 +105,7 @@ def test_chunked_vla_under_context_parallelism_matches_single_device(strategy):
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_under_cp_a_whole_sequence_prefix_computes_no_causal_block(strategy):
     """Every query sees every key, so the rank's queries take one unmasked call against the gathered keys: no ring
-    passes blocks (no collective-permute) and no block's causal mask is built (no select on the scores' compare),
+    passes blocks (no collective-permute) and no other-rank block runs (its cond, jaxpar.layers.ring, is gone),
     where a partial prefix (one step's tokens) still runs them (jaxpar.layers.collectives.context_attention)."""
     def step_text(config):
         builder = base.builder(base.with_values(config, mesh=dict(dp=2, pp=1, tp=2, cp=2, cp_strategy=strategy),
