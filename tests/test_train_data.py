@@ -89,7 +89,8 @@ def run_cli(*args, cwd):
 
 
 @pytest.mark.slow  # vla_tiny's whole demo; tests/test_learning.py runs it too
-@pytest.mark.extra  # CI: tests/test_learning.py's vla_tiny run generates its data on first use and evaluates
+@pytest.mark.extra  # CI: test_learning's vla_tiny run generates its data and evaluates; test_vla_state trains and
+# rolls out on a LeRobot split through the CLI
 def test_vla_tiny_generates_its_data_on_first_use_and_evaluates(tmp_path):
     """The shipped demo with data.demo_format=lerobot: its data written as a LeRobot v3.0 dataset on
     first use, read back through the LeRobot reader (action bins from its stats.json), with held-out

@@ -40,7 +40,7 @@ def test_the_state_token_is_the_projection_of_the_normalised_state():
     proj = {k: np.asarray(params["projector"][k], np.float64) for k in ("state_proj", "state_bias")}
     np.testing.assert_allclose(tokens[:, -1], unit @ proj["state_proj"] + proj["state_bias"], rtol=1e-5, atol=1e-6)
     without = base.with_values(SINGLE, vision=dict(state_dims=0, state_low=(), state_high=()))
-    image_only = vla.encode_images({k: v for k, v in params.items()}, {**batch, "state": None}, without)
+    image_only = vla.encode_images(params, {k: v for k, v in batch.items() if k != "state"}, without)
     np.testing.assert_array_equal(tokens[:, :-1], np.asarray(image_only))  # the image tokens are unchanged
 
 

@@ -288,12 +288,17 @@ def encode(params: dict, images_BxCamxHxWxC: jax.Array, cfg: VisionConfig, coll:
     return jnp.concatenate([tokens, state_token(proj, state_BxS, cfg).astype(tokens.dtype)], axis=1)
 
 
-def normalise_state(state_BxS: jax.Array, cfg: VisionConfig) -> jax.Array:
-    """The state -> [-1, 1] per dim by [state_low, state_high] (clipped; a dim that never varies: 0), in fp32."""
-    low, high = (jnp.asarray(np.asarray(bound, np.float32)) for bound in cfg.state_range())
+def to_unit_range(x: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
+    """x -> [-1, 1] by its [low, high] (broadcast), clipped; where low == high (a value that never varies) 0. The
+    state here and the l1 head's action targets (jaxpar.models.vla.normalise_values) share it."""
     span = jnp.where(high > low, high - low, 1.0)
-    unit = 2.0 * (state_BxS.astype(jnp.float32) - low) / span - 1.0
-    return jnp.where(high > low, jnp.clip(unit, -1.0, 1.0), 0.0)
+    return jnp.where(high > low, jnp.clip(2.0 * (x - low) / span - 1.0, -1.0, 1.0), 0.0)
+
+
+def normalise_state(state_BxS: jax.Array, cfg: VisionConfig) -> jax.Array:
+    """The state -> [-1, 1] per dim by [state_low, state_high] (`to_unit_range`), in fp32."""
+    low, high = (jnp.asarray(np.asarray(bound, np.float32)) for bound in cfg.state_range())
+    return to_unit_range(state_BxS.astype(jnp.float32), low, high)
 
 
 def state_token(proj: dict, state_BxS: jax.Array, cfg: VisionConfig) -> jax.Array:

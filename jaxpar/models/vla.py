@@ -308,9 +308,7 @@ def _range_at(config: Config, dim_S: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def normalise_values(config: Config, values_BxS: jax.Array, dim_S: jax.Array) -> jax.Array:
     """Actions -> [-1, 1] by their dim's range (clipped, as the bins clip; a dim that never varies: 0)."""
-    low_S, high_S = _range_at(config, dim_S)
-    span_S = jnp.where(high_S > low_S, high_S - low_S, 1.0)
-    return jnp.where(high_S > low_S, jnp.clip(2.0 * (values_BxS - low_S) / span_S - 1.0, -1.0, 1.0), 0.0)
+    return vit.to_unit_range(values_BxS, *_range_at(config, dim_S))
 
 
 def denormalise_values(config: Config, unit_BxS: jax.Array, dim_S: jax.Array) -> jax.Array:

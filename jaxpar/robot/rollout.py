@@ -95,8 +95,9 @@ def model_policy(config, weights, predict=None, place=None):
         if config.vision.state_dims and state is None:
             raise ValueError(f"vision.state_dims={config.vision.state_dims}: this policy reads the robot's state; "
                              f"pass it (the closed loop does: policy.reads_state)")
-        reads = (place(np.asarray(state, np.float32)),) if config.vision.state_dims else ()  # (a stateless predict
-        out = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1], *reads)[0])  # takes 5)
+        # the state only where the model reads it, so a predict of the 5 arguments before it still serves
+        reads = (place(np.asarray(state, np.float32)),) if config.vision.state_dims else ()
+        out = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1], *reads)[0])
         if config.actions.parallel_slots:  # [B, H x dims] step-major -> [B, H, dims]
             out = out.reshape(out.shape[0], config.actions.chunk, config.actions.dims)
         if config.actions.head == "l1":  # the actions themselves
