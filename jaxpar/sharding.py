@@ -29,6 +29,8 @@ RULES: dict[str, str | None] = {
     # it stands beside, computed where the LM head is), its per-dim outputs replicated
     "action_mlp": "tp",
     "action_dims": None,
+    # the flow head's conditioning features (the noised value, the time's sines and cosines): replicated
+    "flow_cond": None,
     # fp8.recipe=delayed's counters (jaxpar.models.llama.FP8_LIVES): replicated over tp like a norm (each
     # linear's tp shards combine theirs in the gradient's sum), stacked over pp with their layers
     "fp8_linears": None,

@@ -33,3 +33,29 @@ def test_spike_detector_flags_three_sigma_jumps_only():
     warning = detector.observe(16, 3.0)
     assert warning and "step 16" in warning and "3 sigma" in warning
     assert detector.observe(17, float("nan")) is None  # NaNs are the NaN guard's business
+
+
+def test_a_failing_mid_run_evaluation_keeps_the_steps_before_it(tmp_path, monkeypatch):
+    """An evaluation that raises (a simulator's error, a policy wrapper's bug) goes on as an error, but only after
+    the steps since the last checkpoint are saved: a rerun resumes at the evaluation's step. A Meta-World run once
+    lost 30 minutes this way."""
+    import pytest
+
+    from jaxpar.training import loop
+
+    class FailingEvaluation:
+        def __init__(self, *args):
+            pass
+
+        def due(self, step):
+            return step == 2
+
+        def run(self, step, params):
+            raise RuntimeError("the simulator broke")
+
+    monkeypatch.setattr(loop, "has_evaluation", lambda config: True)
+    monkeypatch.setattr(loop, "Evaluation", FailingEvaluation)
+    config = make_config(dp=2, tp=4, stage=1, steps=5)
+    with pytest.raises(RuntimeError, match="the simulator broke"):
+        train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]

@@ -148,6 +148,29 @@ def test_closed_loop_replays_held_out_scenes_and_the_expert_succeeds(splits):
     assert chunked["policy_calls"] == -(-longest // 8)
 
 
+def test_the_evaluation_hands_a_state_reading_policy_the_robots_state(splits):
+    """The trainer's Meta-World evaluation wraps the policy to resize the frames; the wrapper must still pass
+    the state to a VLA that reads it (vision.state_dims). It did not once, and a 30-minute run died at its first
+    evaluation."""
+    from jaxpar.config import load_config
+    from jaxpar.robot.metaworld_eval import MetaWorldRollouts
+
+    out, _ = splits
+    config = load_config("vla_metaworld", [f"data.eval={out / 'heldout'}", "eval.rollouts=2",
+                                           "vision.image_size=16"])
+    states = []
+
+    def policy(images, instructions, state):
+        assert images.shape[2:4] == (16, 16)  # resized as in training
+        states.append(state)
+        return np.zeros((len(instructions), 2, 4), np.float32)  # a chunk of 2 steps that stand still
+    policy.reads_state = True
+    MetaWorldRollouts(config, max_steps=4).run(policy)
+    assert len(states) == 2 and all(s.shape == (2, 4) for s in states)
+    np.testing.assert_allclose(states[0], states[1], atol=0.01)  # the hand stood (but for settling)...
+    assert np.abs(states[0][:, :3]).max() > 0.05  # ...and is somewhere over the table
+
+
 @pytest.mark.slow  # a minute: the trainer's compile and 200 closed-loop steps
 def test_training_evaluates_meta_world_in_closed_loop(splits, tmp_path, capsys):
     """configs/vla_metaworld.py's path at toy size: a chunked VLA trains on a Meta-World split, and its

@@ -62,8 +62,9 @@ def zero_formula_bytes(config: Config, psi_local: int, dp: int) -> dict[str, flo
 def local_param_count(builder: StepBuilder) -> int:
     """Psi of the ZeRO formulas: parameters one device holds before any dp sharding (tp/pp only)."""
     axes, shapes = llama.param_axes(), llama.param_shapes(builder.config.model)  # (no FP8 counters)
-    if vla.ACTION_HEAD in builder.axes:  # the l1 head's MLP, the LLM's too
-        axes[vla.ACTION_HEAD], shapes[vla.ACTION_HEAD] = vla.ACTION_HEAD_AXES, vla.action_head_shapes(builder.config)
+    if vla.ACTION_HEAD in builder.axes:  # the l1 / flow head's MLP, the LLM's too
+        axes[vla.ACTION_HEAD] = vla.action_head_axes(builder.config)
+        shapes[vla.ACTION_HEAD] = vla.action_head_shapes(builder.config)
     specs = tree_specs(axes, False, unused_mesh_axes(builder.mesh), builder.specs_rules)
     counts = jax.tree.map(lambda spec, shape: math.prod(NamedSharding(builder.mesh, spec).shard_shape(shape)),
                           specs, shapes, is_leaf=lambda x: isinstance(x, P))
@@ -74,7 +75,7 @@ def total_param_count(config: Config) -> int:
     count = llama.param_count(config.model)
     if config.model.kind == "vla":
         count += vit.param_count(config.vision, config.model.d_model)
-        if config.actions.head == "l1":
+        if config.actions.continuous:
             count += sum(math.prod(shape) for shape in vla.action_head_shapes(config).values())
     return count
 

@@ -83,7 +83,7 @@ class TrainConfig:
 
 
 NAN_GUARDS = ("auto", "cond", "select")
-ACTION_HEADS = ("tokens", "l1")  # ActionConfig.head
+ACTION_HEADS = ("tokens", "l1", "flow")  # ActionConfig.head
 
 
 def nan_guard_for(train: TrainConfig, platform: str) -> str:
@@ -226,8 +226,11 @@ class ActionConfig:
     chunk: int = 1
     # what predicts the actions: tokens (the action bins' ids, cross-entropy: OpenVLA, or OFT's parallel decoding
     # when chunk > 1) or l1 (OpenVLA-OFT's continuous head: an MLP on each action slot's last hidden state regresses
-    # its value, normalised to [-1, 1] by the bins' range, with an L1 loss; jaxpar.models.vla, "The l1 head")
+    # its value, normalised to [-1, 1] by the bins' range, with an L1 loss; jaxpar.models.vla, "The l1 head") or flow
+    # (flow matching: the same MLP, also reading the noised value and the time, predicts the velocity from noise to
+    # the value; `flow_steps` Euler steps from noise at inference; jaxpar.models.vla, "The flow head")
     head: str = "tokens"
+    flow_steps: int = 10  # the flow head's integration steps at inference (pi0's 10)
     bins: int = 256
     low: float = -1.0
     high: float = 1.0
@@ -244,6 +247,11 @@ class ActionConfig:
         """Whether the LLM reads placeholder slots, one per action value, all decoded in one call (a chunk, or a
         continuous head, which has no token to feed back), rather than one step's tokens one by one."""
         return self.chunk > 1 or self.head != "tokens"
+
+    @property
+    def continuous(self) -> bool:
+        """Whether a head regresses or samples the values themselves (l1, flow): no action tokens."""
+        return self.head != "tokens"
 
     def bin_range(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """(per-dim low, per-dim high) that the bins split; a dim whose low == high never varies."""

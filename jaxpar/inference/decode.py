@@ -93,7 +93,7 @@ def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT
     each the most likely among the action tokens only. With actions.chunk = H > 1: [B, H x dims] tokens
     (step-major) and their logits from one call over the prefix and the placeholder slots. Images are uint8 pixels, scaled in the encoder
     (jaxpar.models.vit.normalise). `instruction_bytes_BxT`: what FiLM reads when the LLM reads a
-    tokenizer's ids (jaxpar.data.instructions). With actions.head = l1 there are no tokens: ([B, H x dims] the
+    tokenizer's ids (jaxpar.data.instructions). With actions.head = l1 or flow there are no tokens: ([B, H x dims] the
     actions in their own units, [B, H x dims] the head's normalised values). `state_BxS`: the robot's state, which
     the encoder reads with vision.state_dims (jaxpar.models.vit, "The state token")."""
     from jaxpar.models import vit, vla
@@ -107,9 +107,13 @@ def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT
         placeholders = jnp.full((instruction_BxT.shape[0], slots), vla.PLACEHOLDER_ID, instruction_BxT.dtype)
         x = vla.llm_inputs(params, tokens, jnp.concatenate([instruction_BxT, placeholders], axis=1), coll)
         cache = init_cache(cfg, x.shape[0], x.shape[1], cfg.n_kv_heads, x.dtype)
-        if config.actions.head == "l1":
+        if config.actions.continuous:
             x, _ = hidden_states(params, x, cache, 0, cfg, coll, vla.prefix_len(config))
-            unit, positions = vla.l1_predictions(params, x, config, coll, slots)
+            if config.actions.head == "flow":  # from fixed noise (train.seed's): one observation, one chunk
+                noise = jax.random.normal(jax.random.key(config.train.seed), (x.shape[0], slots), jnp.float32)
+                unit, positions = vla.flow_sample(params, x, noise, config, coll, slots)
+            else:
+                unit, positions = vla.l1_predictions(params, x, config, coll, slots)
             return vla.denormalise_values(config, unit, vla.slot_dims(config, positions)[1]), unit
         logits, _ = forward_embedded(params, x, cache, 0, cfg, coll, vla.prefix_len(config))
         scores = logits[:, -slots:, first_action:]

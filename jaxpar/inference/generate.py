@@ -328,14 +328,14 @@ def predict_episode_action(args) -> dict:
     out = np.asarray(jax.jit(decode.predict_actions, static_argnums=3)(weights, image, text, config, film, *reads)[0])[0]
     tokenizer = vla.ActionTokenizer(config.actions, config.model.vocab_size)
     chunk, dims = config.actions.chunk, config.actions.dims
-    if config.actions.head == "l1":  # the values themselves, no tokens
+    if config.actions.continuous:  # the values themselves, no tokens
         action = out.reshape(chunk, dims).astype(np.float64)
     else:
         action = tokenizer.from_bins(tokenizer.tokens_to_bins(out.reshape(chunk, dims)))  # [H, dims]
     recorded = actions[args.step:args.step + chunk]  # the episode's next H (fewer at its end)
     if chunk == 1:
         action, recorded = action[0], recorded[0]
-    ids = {} if config.actions.head == "l1" else {"action_ids": out.tolist()}
+    ids = {} if config.actions.continuous else {"action_ids": out.tolist()}
     return {**ids, "action": np.round(action, 6).tolist(),
             "recorded_action": np.round(recorded, 6).tolist()}
 

@@ -20,6 +20,17 @@ sits beside the LM head (after the final norm, on the pipeline's head part) and 
 over the vocabulary's axes (tp, and pp x tp with a pipeline) and its output summed over them (Megatron's column / row
 pair; the sum last, as the LM head's cross-entropy ends in one, so the loss is the same on every rank). Its input is
 the slots' positions only, as the token head's (loss_positions).
+
+The flow head (actions.head = flow, flow matching as pi0's action expert trains, on each slot): the same MLP, whose
+input also reads the slot's noised value x_t = t * noise + (1 - t) * value and the time t (W_COND: [x_t, sin and cos
+of pi 2^k t] -> D, added to the normed hidden state before the tensor-parallel split, so it is replicated and summed
+like the final norm), predicts the velocity noise - value; the loss is its squared error. t ~ 0.001 + 0.999 Beta(1.5,
+1) per example (openpi's, weighted toward noise) and the noise are drawn on the device from train.seed and the step
+(flow_noise: threefry's values do not depend on the sharding, so every layout draws the same). Inference integrates
+from noise at t = 1 to t = 0 in actions.flow_steps Euler steps (flow_sample), the LLM run once. Unlike pi0's action
+expert (its own transformer attending to every layer's keys and values), the head reads each slot's last hidden state,
+which attended to the whole prefix; a value's distribution is modelled per slot, the slots' joint one through their
+shared hidden states only.
 """
 
 from __future__ import annotations
@@ -33,14 +44,22 @@ from jaxpar.config import vla_sequence_layout as sequence_layout  # (derived fro
 from jaxpar.layers import vocab_parallel
 from jaxpar.layers.collectives import Collectives
 from jaxpar.layers.norm import rms_norm
+from jaxpar.layers.order import after
+from jaxpar.layers.vma import typed_like
 from jaxpar.models import llama, vit
 
 PLACEHOLDER_ID = 0  # an action slot's input under chunking: a fixed token (the instruction's padding byte)
-ACTION_HEAD = "action_head"  # actions.head=l1's MLP in the parameter tree
+ACTION_HEAD = "action_head"  # the l1 / flow head's MLP in the parameter tree
 # D -> F (gelu; F split like the vocabulary) -> dims, the output layer factored F -> D -> dims so that every weight has
 # ZeRO's "embed" dim (jaxpar.sharding: the LLM's ZeRO shards each weight on it); summed over F's split at the end
 ACTION_HEAD_AXES = {"w1": ("embed", "action_mlp"), "w2": ("action_mlp", "embed"), "w_out": ("embed", "action_dims")}
 L1_HEAD_AXES = {"final_norm": llama.HEAD_AXES["final_norm"], ACTION_HEAD: ACTION_HEAD_AXES}  # what the l1 head reads
+W_COND = "w_cond"  # the flow head's conditioning [x_t, sin / cos of pi 2^k t] -> D
+FLOW_TIME_FREQUENCIES = 8
+FLOW_HEAD_AXES = {**ACTION_HEAD_AXES, W_COND: ("flow_cond", "embed")}
+FLOW_READS = {"final_norm": llama.HEAD_AXES["final_norm"], ACTION_HEAD: FLOW_HEAD_AXES}
+FLOW_SALT = 4949  # flow_noise's key: train.seed's, folded with this, then the step
+EVAL_DRAWS = 2 ** 31 - 1  # the "step" whose draws every evaluation batch takes
 
 
 class ActionTokenizer:
@@ -127,7 +146,7 @@ def make_batch(config: Config, images: np.ndarray, instructions: np.ndarray, act
     if images.dtype != np.uint8:
         raise TypeError(f"make_batch takes uint8 pixels (the encoder scales them on the device), not {images.dtype}")
     batch = {"images": images, "inputs": inputs, "targets": targets, "mask": mask}
-    if act.head == "l1":  # what the l1 head regresses
+    if act.continuous:  # what the l1 head regresses, the flow head's targets
         batch["values"] = action_values(config, steps)
     if instruction_bytes is not None:
         batch["instruction_bytes"] = np.asarray(instruction_bytes, np.int32)
@@ -274,18 +293,28 @@ def llm_loss_sum(params: dict, image_tokens_BxIxD: jax.Array, batch: dict, confi
 def head_loss_sum(params: dict, x_BxSxD: jax.Array, batch: dict, config: Config, coll: Collectives,
                   last: int | None) -> jax.Array:
     """The masked loss sum of the configured action head on the LLM's output (the last pipeline stage's job):
-    the LM head's token cross-entropies, or the l1 head's absolute errors."""
+    the LM head's token cross-entropies, the l1 head's absolute errors, or the flow head's squared velocity errors."""
     if config.actions.head == "l1":
         return l1_loss_sum(params, x_BxSxD, batch["values"], batch["mask"], config, coll, last)
+    if config.actions.head == "flow":
+        return flow_loss_sum(params, x_BxSxD, batch, config, coll, last)
     return llama.head_loss_sum(params, x_BxSxD, batch["targets"], batch["mask"], config.model, coll, last)
 
 
-# ----------------------------------------------------------------------------- the l1 head
+# ----------------------------------------------------------------------------- the continuous heads: l1, flow
+
+
+def action_head_axes(config: Config) -> dict:
+    """The action head's logical axes: the l1 head's MLP, and the flow head's conditioning beside it."""
+    return FLOW_HEAD_AXES if config.actions.head == "flow" else ACTION_HEAD_AXES
 
 
 def action_head_shapes(config: Config) -> dict:
     d = config.model.d_model
-    return {"w1": (d, d), "w2": (d, d), "w_out": (d, config.actions.dims)}
+    shapes = {"w1": (d, d), "w2": (d, d), "w_out": (d, config.actions.dims)}
+    if config.actions.head == "flow":
+        shapes[W_COND] = (1 + 2 * FLOW_TIME_FREQUENCIES, d)
+    return shapes
 
 
 def init_action_head(config: Config, key: jax.Array) -> dict:
@@ -317,6 +346,30 @@ def denormalise_values(config: Config, unit_BxS: jax.Array, dim_S: jax.Array) ->
     return low_S + (jnp.clip(unit_BxS, -1.0, 1.0) + 1.0) * 0.5 * (high_S - low_S)
 
 
+def _head_positions(config: Config, coll: Collectives, length: int, last: int | None) -> jax.Array:
+    """The sequence positions of a head's `length` outputs: the last `last`, else this rank's (its cp chunks')."""
+    if last is not None:
+        return jnp.arange(sequence_layout(config)[2] - last, sequence_layout(config)[2])
+    positions_S = coll.context_positions(length)
+    return jnp.arange(length) if positions_S is None else positions_S
+
+
+def _slot_values(mlp: dict, z_BxSxD: jax.Array, config: Config, coll: Collectives,
+                 last: int | None) -> tuple[jax.Array, jax.Array]:
+    """The action MLP on the tensor-parallel input `z` (gelu, F split like the vocabulary, summed over it), each
+    position's own action dim picked: ([B, S'] fp32, the positions S')."""
+    hidden_BxSxF = jax.nn.gelu(jnp.einsum("bsd,df->bsf", z_BxSxD, mlp["w1"], preferred_element_type=jnp.float32))
+    partial_BxSxD = jnp.einsum("bsf,fd->bsd", hidden_BxSxF.astype(z_BxSxD.dtype), mlp["w2"],
+                               preferred_element_type=jnp.float32)
+    out_BxSxA = coll.tp_sum(jnp.einsum("bsd,da->bsa", partial_BxSxD.astype(z_BxSxD.dtype), mlp["w_out"],
+                                       preferred_element_type=jnp.float32))
+    positions_S = _head_positions(config, coll, out_BxSxA.shape[1], last)
+    _, dim_S = slot_dims(config, positions_S)
+    picked_BxS = jnp.take_along_axis(out_BxSxA, jnp.broadcast_to(dim_S[None, :, None], out_BxSxA.shape[:2] + (1,)),
+                                     axis=-1)[..., 0]
+    return picked_BxS, positions_S
+
+
 def l1_predictions(params: dict, x_BxSxD: jax.Array, config: Config, coll: Collectives,
                    last: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(the l1 head's normalised value at each position, for that position's action dim [B, S'] fp32, the
@@ -326,22 +379,7 @@ def l1_predictions(params: dict, x_BxSxD: jax.Array, config: Config, coll: Colle
     x_BxSxD = x_BxSxD if last is None else x_BxSxD[:, -last:]
     x_BxSxD = coll.enter_tensor_parallel(rms_norm(x_BxSxD, head["final_norm"], config.model.norm_eps))
     x_BxSxD = x_BxSxD if last is None else x_BxSxD[:, -last:]
-    mlp = head[ACTION_HEAD]
-    hidden_BxSxF = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x_BxSxD, mlp["w1"], preferred_element_type=jnp.float32))
-    partial_BxSxD = jnp.einsum("bsf,fd->bsd", hidden_BxSxF.astype(x_BxSxD.dtype), mlp["w2"],
-                               preferred_element_type=jnp.float32)
-    out_BxSxA = coll.tp_sum(jnp.einsum("bsd,da->bsa", partial_BxSxD.astype(x_BxSxD.dtype), mlp["w_out"],
-                                       preferred_element_type=jnp.float32))
-    length = out_BxSxA.shape[1]
-    if last is not None:
-        positions_S = jnp.arange(sequence_layout(config)[2] - last, sequence_layout(config)[2])
-    else:
-        positions_S = coll.context_positions(length)
-        positions_S = jnp.arange(length) if positions_S is None else positions_S
-    _, dim_S = slot_dims(config, positions_S)
-    picked_BxS = jnp.take_along_axis(out_BxSxA, jnp.broadcast_to(dim_S[None, :, None], out_BxSxA.shape[:2] + (1,)),
-                                     axis=-1)[..., 0]
-    return picked_BxS, positions_S
+    return _slot_values(head[ACTION_HEAD], x_BxSxD, config, coll, last)
 
 
 def l1_loss_sum(params: dict, x_BxSxD: jax.Array, values_BxS: jax.Array, mask_BxS: jax.Array, config: Config,
@@ -355,10 +393,18 @@ def l1_loss_sum(params: dict, x_BxSxD: jax.Array, values_BxS: jax.Array, mask_Bx
 
 
 def l1_eval_sums(params: dict, x_BxSxD: jax.Array, batch: dict, config: Config, coll: Collectives) -> dict:
-    """eval_sums' keys for the l1 head: `loss` the L1 sum in normalised units, a slot `correct` when its
-    value falls in the true value's bin (comparable with the token head's exact tokens), and the absolute
-    error of the value in the action's own units."""
+    """eval_sums' keys for the l1 head: `loss` the L1 sum in normalised units, and continuous_eval_sums'."""
     pred_BxS, positions_S = l1_predictions(params, x_BxSxD, config, coll)
+    target_BxS = normalise_values(config, batch["values"], slot_dims(config, positions_S)[1])
+    loss = jnp.sum(jnp.abs(pred_BxS - target_BxS) * batch["mask"].astype(jnp.float32))
+    return continuous_eval_sums(config, pred_BxS, positions_S, batch, loss)
+
+
+def continuous_eval_sums(config: Config, pred_BxS: jax.Array, positions_S: jax.Array, batch: dict,
+                         loss: jax.Array) -> dict:
+    """eval_sums' keys for a head that gives values (`pred`: normalised, at `positions`): a slot `correct` when its
+    value falls in the true value's bin (comparable with the token head's exact tokens), and the absolute error of
+    the value in the action's own units."""
     is_action_S, dim_S = slot_dims(config, positions_S)
     mask_BxS = batch["mask"].astype(jnp.float32)
     scored_BxS = is_action_S.astype(jnp.float32) * mask_BxS
@@ -371,11 +417,92 @@ def l1_eval_sums(params: dict, x_BxSxD: jax.Array, batch: dict, config: Config, 
 
     correct_BxS = (to_bin(pred_BxS) == to_bin(target_BxS)) * scored_BxS
     by_dim_SxA = jax.nn.one_hot(jnp.where(is_action_S, dim_S, -1), config.actions.dims)
-    return {"loss": jnp.sum(jnp.abs(pred_BxS - target_BxS) * mask_BxS), "tokens": jnp.sum(mask_BxS),
+    return {"loss": loss, "tokens": jnp.sum(mask_BxS),
             "correct": jnp.sum(correct_BxS), "action_tokens": jnp.sum(scored_BxS),
             "action_correct": jnp.sum(correct_BxS),
             "action_abs_err": jnp.sum(jnp.abs(value_BxS - batch["values"]) * scored_BxS),
             "action_correct_by_dim": jnp.sum(correct_BxS, axis=0) @ by_dim_SxA}
+
+
+# ----------------------------------------------------------------------------- the flow head
+
+
+def flow_noise(config: Config, batch: dict, step) -> dict:
+    """`batch` with the flow head's draws for `step` (a traced int): `noise` N(0, 1) and `time` (one t per example,
+    broadcast), [B, S] like the values. Drawn on the device for the global batch: threefry's values do not depend on
+    how the arrays are sharded, so every layout trains on the same draws."""
+    if config.actions.head != "flow":
+        return batch
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.train.seed), FLOW_SALT), step)
+    noise_key, time_key = jax.random.split(key)
+    shape = batch["mask"].shape
+    # Beta(1.5, 1) by its inverse CDF (t^1.5): jax.random.beta's rejection loop, partitioned over the batch, would
+    # put an all-reduce in a while loop's condition, beside the step's collectives
+    time_Bx1 = 0.001 + 0.999 * jax.random.uniform(time_key, (shape[0], 1), jnp.float32) ** (1.0 / 1.5)
+    return {**batch, "noise": jax.random.normal(noise_key, shape, jnp.float32),
+            "time": jnp.broadcast_to(time_Bx1, shape)}
+
+
+def flow_features(xt_BxS: jax.Array, t_BxS: jax.Array) -> jax.Array:
+    """[B, S, 1 + 2 x FLOW_TIME_FREQUENCIES]: the noised value, and sin / cos of pi 2^k t (t in [0, 1])."""
+    angles = t_BxS[..., None] * (jnp.pi * 2.0 ** jnp.arange(FLOW_TIME_FREQUENCIES, dtype=jnp.float32))
+    return jnp.concatenate([xt_BxS[..., None], jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def flow_velocity(params: dict, x_BxSxD: jax.Array, xt_BxS: jax.Array, t_BxS: jax.Array, config: Config,
+                  coll: Collectives, last: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(the flow head's velocity at each position for its action dim [B, S'] fp32, the positions S'), given the
+    noised values and times at the same positions (whole, or already the last `last`). The conditioning joins the
+    normed hidden state before the tensor-parallel split: on each sequence-parallel shard its own positions'."""
+    x_BxSxD, head = coll.use_weights(x_BxSxD, {k: params[k] for k in FLOW_READS}, FLOW_READS)
+    cond_BxSxC = flow_features(xt_BxS, t_BxS)
+    if last is None:
+        cond_BxSxC = coll.sequence_shard(cond_BxSxC)
+    else:
+        x_BxSxD, cond_BxSxC = x_BxSxD[:, -last:], cond_BxSxC[:, -last:]
+    mlp = head[ACTION_HEAD]
+    # typed as varying where x is (a pipeline's head: over pp) on the weight, not on the [B, S, D] product: JAX then
+    # sums the weight's gradient, as a norm's, where use_weights orders it (an activation's sum would be unordered)
+    cond_BxSxD = jnp.einsum("bsc,cd->bsd", typed_like(cond_BxSxC.astype(x_BxSxD.dtype), x_BxSxD),
+                            typed_like(mlp[W_COND], x_BxSxD), preferred_element_type=jnp.float32)
+    z_BxSxD = rms_norm(x_BxSxD, head["final_norm"], config.model.norm_eps) + cond_BxSxD.astype(x_BxSxD.dtype)
+    z_BxSxD = coll.enter_tensor_parallel(z_BxSxD)
+    return _slot_values(mlp, z_BxSxD if last is None else z_BxSxD[:, -last:], config, coll, last)
+
+
+def flow_loss_sum(params: dict, x_BxSxD: jax.Array, batch: dict, config: Config, coll: Collectives,
+                  last: int | None = None) -> jax.Array:
+    """Sum over the masked slots of |velocity - (noise - normalised action)|^2 at x_t = t noise + (1 - t) action."""
+    arrays = [batch[k] for k in ("values", "mask", "noise", "time")]
+    values_BxS, mask_BxS, noise_BxS, t_BxS = arrays if last is None else [a[:, -last:] for a in arrays]
+    dim_S = slot_dims(config, _head_positions(config, coll, values_BxS.shape[1], last))[1]
+    target_BxS = normalise_values(config, values_BxS, dim_S)
+    xt_BxS = t_BxS * noise_BxS + (1.0 - t_BxS) * target_BxS
+    velocity_BxS, _ = flow_velocity(params, x_BxSxD, xt_BxS, t_BxS, config, coll, last)
+    return jnp.sum(jnp.square(velocity_BxS - (noise_BxS - target_BxS)) * mask_BxS.astype(jnp.float32))
+
+
+def flow_sample(params: dict, x_BxSxD: jax.Array, noise_BxS: jax.Array, config: Config, coll: Collectives,
+                last: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(normalised values [B, S'], positions S'): from `noise` at t = 1, actions.flow_steps Euler steps of the
+    velocity to t = 0 (the LLM's hidden states `x` computed once)."""
+    steps = config.actions.flow_steps
+    xt_BxS = noise_BxS if last is None else noise_BxS[:, -last:]
+    positions_S = None
+    for k in range(steps):  # (unrolled: a handful of small MLP calls)
+        t_BxS = jnp.full(xt_BxS.shape, 1.0 - k / steps, jnp.float32)
+        velocity_BxS, positions_S = flow_velocity(params, x_BxSxD, xt_BxS, t_BxS, config, coll, last)
+        xt_BxS = xt_BxS - velocity_BxS / steps
+    return xt_BxS, positions_S
+
+
+def flow_eval_sums(params: dict, x_BxSxD: jax.Array, batch: dict, config: Config, coll: Collectives) -> dict:
+    """eval_sums' keys for the flow head: `loss` the flow-matching sum at the batch's draws, and
+    continuous_eval_sums' of the values sampled from the batch's noise."""
+    loss = flow_loss_sum(params, x_BxSxD, batch, config, coll)
+    # (XLA:CPU: the sampling's sums after the loss's)
+    pred_BxS, positions_S = flow_sample(params, after(x_BxSxD, loss), batch["noise"], config, coll)
+    return continuous_eval_sums(config, pred_BxS, positions_S, batch, loss)
 
 
 def loss_sum(params: dict, batch: dict, config: Config, llm_coll: Collectives = Collectives(),

@@ -35,6 +35,8 @@ class Evaluator:
         coll = self.builder.head_collectives(self.coll)  # with a pipeline, the head is split over pp x tp
         if self.config.model.kind == "vla" and self.config.actions.head == "l1":
             return vla.l1_eval_sums(head, x_BxSxD, batch, self.config, coll)
+        if self.config.model.kind == "vla" and self.config.actions.head == "flow":
+            return vla.flow_eval_sums(head, x_BxSxD, batch, self.config, coll)
         token_loss, pred = llama.head_eval(head, x_BxSxD, batch["targets"], self.config.model, coll)
         if self.config.model.kind == "vla":
             return vla.eval_sums(self.config, token_loss, pred, batch, coll.context_positions(pred.shape[1]))
@@ -74,9 +76,13 @@ class Evaluator:
 
     def jit_eval_step(self):
         """(params, batch) -> replicated dict of metric sums for one global batch."""
-        fn = jax.shard_map(self._local_sums, mesh=self.mesh, in_specs=(self.builder.specs.params, self.builder.batch_spec),
-                           out_specs={k: P() for k in self.keys})
+        sums = jax.shard_map(self._local_sums, mesh=self.mesh,
+                             in_specs=(self.builder.specs.params, self.builder.batch_spec),
+                             out_specs={k: P() for k in self.keys})
         replicated = NamedSharding(self.mesh, P())
+
+        def fn(params, batch):  # the flow head: the same draws for every evaluation batch (vla.EVAL_DRAWS)
+            return sums(params, vla.flow_noise(self.config, batch, vla.EVAL_DRAWS))
         return jax.jit(fn, in_shardings=(self.builder.state_shardings().params, self.builder.batch_sharding()),
                        out_shardings={k: replicated for k in self.keys})
 

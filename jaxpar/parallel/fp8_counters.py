@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 
 from jaxpar.layers import fp8
 from jaxpar.layers.order import after
+from jaxpar.models import vla
 from jaxpar.parallel.optim import is_fp8_counters
 from jaxpar.parallel.zero import gather_axes, mesh_axes_of
 from jaxpar.sharding import tensor_axes
@@ -65,7 +66,8 @@ def calibrate(builder, state, batch: dict):
     gradients below E5M2's subnormals."""
     calibrating = copy.copy(builder)
     calibrating.fp8_calibrating = True
-    loss, grads, _ = calibrating.loss_and_grads(state.params, batch)
+    # (the flow head's draws: the first step's)
+    loss, grads, _ = calibrating.loss_and_grads(state.params, vla.flow_noise(builder.config, batch, state.step))
     grads = after(grads, loss)  # (XLA:CPU: the loss's sum first)
     history, mesh = builder.config.fp8.amax_history, builder.mesh
     master, compute = {}, {}

@@ -105,8 +105,8 @@ class StepBuilder:
         self.mesh = mesh
         self.stage = config.zero.stage
         self.axes = llama.param_axes(config.fp8_delayed)  # the LLM's; the vision component keeps its own
-        if config.model.kind == "vla" and config.actions.head == "l1":  # the l1 head's MLP: the LLM's too
-            self.axes[vla.ACTION_HEAD] = vla.ACTION_HEAD_AXES
+        if config.model.kind == "vla" and config.actions.continuous:  # the l1 / flow head's MLP: the LLM's too
+            self.axes[vla.ACTION_HEAD] = vla.action_head_axes(config)
         ways = kv_head_ways(config.model.n_kv_heads, config.mesh.tp, tp_split_of(mesh))
         self.replicates_kv = ways == 1 and kv_heads_replicated(config.model.n_kv_heads, config.mesh.tp)
         self.specs_rules = llm_rules(mesh, config.model.n_kv_heads)
@@ -274,7 +274,7 @@ class StepBuilder:
             shapes["images"] = ((batch, v.cameras, v.image_size, v.image_size, v.channels), jnp.uint8)
             if carries_instruction_bytes(self.config):  # FiLM's bytes beside a tokenizer's ids
                 shapes["instruction_bytes"] = ((batch, self.config.actions.instruction_len), jnp.int32)
-            if self.config.actions.head == "l1":  # the values the l1 head regresses (vla.make_batch)
+            if self.config.actions.continuous:  # the values the l1 / flow head learns (vla.make_batch)
                 shapes["values"] = ((batch, seq), jnp.float32)
             if v.state_dims:  # the proprioceptive state the encoder reads (jaxpar.models.vit, "The state token")
                 shapes["state"] = ((batch, v.state_dims), jnp.float32)
@@ -474,7 +474,7 @@ class StepBuilder:
         return self.pipeline_parts(params), micro, extra
 
     def _pipelined_loss_and_grads(self, params, batch, image_tokens, token_count, coll, policy):
-        split, micro, extra = self.pipeline_inputs(params, {k: batch[k] for k in ("inputs", "targets", "mask", "values")
+        split, micro, extra = self.pipeline_inputs(params, {k: batch[k] for k in ("inputs", "targets", "mask", "values", "noise", "time")
                                                             if k in batch}, image_tokens)
         loss, grads, d_extra = self.pipeline(coll, policy, token_count).loss_and_grads(split, micro, extra)
         grads = {**grads["first"], "layers": grads["layers"], **grads["head"]}
@@ -546,6 +546,8 @@ class StepBuilder:
             host = self.offloaded_params()
             state = state.replace(params={k: jax.device_put(v, jax.memory.Space.Host) if k in host else v
                                           for k, v in state.params.items()})
+        # the flow head's noise and times for this step, drawn for the global batch (vla.flow_noise)
+        batch = vla.flow_noise(self.config, batch, state.step)
         loss, grads, grad_norm = self.loss_and_grads(state.params, batch)
         # Each dp rank's gradient shard is the part it updates (the optimizer's layout); fp32 already unless
         # grad_reduce=bf16 or ZeRO-0 taps (ZeRO-3's gathers reduce-scatter in grad_reduce's dtype, and JAX keeps

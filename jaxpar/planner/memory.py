@@ -50,10 +50,10 @@ def head_positions(config: Config) -> int:
 
 
 def head_width(config: Config) -> int:
-    """Columns per position of the head's matmuls: the vocabulary (LM head), or the l1 action head's
+    """Columns per position of the head's matmuls: the vocabulary (LM head), or the l1 / flow action head's
     D -> D -> D -> dims (jaxpar.models.vla.ACTION_HEAD; the LM head then runs nowhere), split over pp x tp (all
-    but the small readout to the dims)."""
-    if config.model.kind == "vla" and config.actions.head == "l1":
+    but the small readout to the dims; the flow head's conditioning, 17 -> D, is left out: under 1% of it)."""
+    if config.model.kind == "vla" and config.actions.continuous:
         return 2 * config.model.d_model + config.actions.dims
     return config.model.vocab_size
 
@@ -96,8 +96,9 @@ def local_params(config: Config) -> dict[str, int]:
     if config.model.kind == "vla":
         vdiv = {"vit_heads": config.vision.tp, "vit_mlp": config.vision.tp, "proj_mlp": config.vision.tp}
         out["vision"] = _local_count(vit.param_shapes(config.vision, config.model.d_model), vit.param_axes(config.vision), vdiv)
-        if config.actions.head == "l1":  # its MLP beside the LM head (split like the vocabulary)
-            mlp = _local_count({vla.ACTION_HEAD: vla.action_head_shapes(config)}, {vla.ACTION_HEAD: vla.ACTION_HEAD_AXES},
+        if config.actions.continuous:  # the l1 / flow head's MLP beside the LM head (split like the vocabulary)
+            mlp = _local_count({vla.ACTION_HEAD: vla.action_head_shapes(config)},
+                               {vla.ACTION_HEAD: vla.action_head_axes(config)},
                                {"action_mlp": mesh.pp * mesh.tp})
             out["llm_rest"] += mlp
             out["llm_head"] += mlp

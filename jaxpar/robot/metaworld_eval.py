@@ -66,9 +66,10 @@ class MetaWorldRollouts:
 
         size, method = self.config.vision.image_size, self.config.vision.resize
 
-        def seen(images: np.ndarray, instructions: list[str]) -> np.ndarray:
+        def seen(images: np.ndarray, instructions: list[str], *state) -> np.ndarray:
             frames = np.stack([[resize(Image.fromarray(frame), size, method) for frame in cams] for cams in images])
-            return policy(frames, instructions)
+            return policy(frames, instructions, *state)
+        seen.reads_state = getattr(policy, "reads_state", False)  # (the closed loop passes the state only then)
         return metaworld.run_rollouts(lambda env: seen, self.scenes, self.max_steps, self.render_size, self.camera,
                                       frames)
 

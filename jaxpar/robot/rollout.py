@@ -100,7 +100,7 @@ def model_policy(config, weights, predict=None, place=None):
         out = np.asarray(predict(weights, pixels, encoded[key][0], config, encoded[key][1], *reads)[0])
         if config.actions.parallel_slots:  # [B, H x dims] step-major -> [B, H, dims]
             out = out.reshape(out.shape[0], config.actions.chunk, config.actions.dims)
-        if config.actions.head == "l1":  # the actions themselves
+        if config.actions.continuous:  # the actions themselves
             return out.astype(np.float32)[:, 0] if config.actions.chunk == 1 else out.astype(np.float32)
         return np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(out)), np.float32)
 

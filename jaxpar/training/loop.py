@@ -179,7 +179,7 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
                 checkpoints.save(step, state, data.get_state())
                 saved = step
             if evaluation is not None and evaluation.due(step) and step < steps:
-                evaluation.run(step, state.params)
+                saved = _evaluate_keeping_work(evaluation, step, state, saved, checkpoints, data)
         logger.flush()
     except TrainingStopped:
         checkpoints.save(step, state, data.get_state())  # the skipped step left the weights as they were
@@ -189,6 +189,18 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
     if evaluation is not None and step == steps > start:  # after the save: a failing evaluation loses no work
         evaluation.run(step, state.params)
     return step
+
+
+def _evaluate_keeping_work(evaluation, step: int, state, saved: int, checkpoints: Checkpointer, data) -> int:
+    """A mid-run evaluation; if it fails (a simulator's error, a bug in a policy wrapper), the steps since the last
+    checkpoint are saved before the error goes on, so a rerun resumes here. Returns the last saved step."""
+    try:
+        evaluation.run(step, state.params)
+    except Exception:
+        if step > saved:
+            checkpoints.save(step, state, data.get_state())
+        raise
+    return saved
 
 
 def _fresh_state(builder: StepBuilder):
