@@ -59,3 +59,29 @@ def test_a_failing_mid_run_evaluation_keeps_the_steps_before_it(tmp_path, monkey
     with pytest.raises(RuntimeError, match="the simulator broke"):
         train(config, builder_for(config).mesh, tmp_path, show_progress=False)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+
+
+def test_an_evaluation_failing_on_another_process_saves_here_too(tmp_path, monkeypatch):
+    """Every process agrees whether an evaluation failed anywhere before any saves (a collective save joined by one
+    process alone would wait forever); here the other process's failure is simulated by the agreement."""
+    import pytest
+
+    from jaxpar.training import loop
+
+    class PassingEvaluation:
+        def __init__(self, *args):
+            pass
+
+        def due(self, step):
+            return step == 3
+
+        def run(self, step, params):
+            pass
+
+    monkeypatch.setattr(loop, "has_evaluation", lambda config: True)
+    monkeypatch.setattr(loop, "Evaluation", PassingEvaluation)
+    monkeypatch.setattr(loop, "_on_any_process", lambda here: True)  # another process's evaluation failed
+    config = make_config(dp=2, tp=4, stage=1, steps=5)
+    with pytest.raises(RuntimeError, match="step 3: the evaluation failed on another process"):
+        train(config, builder_for(config).mesh, tmp_path, show_progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3"]

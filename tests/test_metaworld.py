@@ -173,8 +173,9 @@ def test_the_evaluation_hands_a_state_reading_policy_the_robots_state(splits):
 
 @pytest.mark.slow  # a minute: the trainer's compile and 200 closed-loop steps
 def test_training_evaluates_meta_world_in_closed_loop(splits, tmp_path, capsys):
-    """configs/vla_metaworld.py's path at toy size: a chunked VLA trains on a Meta-World split, and its
-    evaluation replays held-out scenes round-robin over the tasks and logs a success rate per task."""
+    """configs/vla_metaworld.py's path at toy size: a chunked VLA that reads the robot's state trains on a
+    Meta-World split, and its evaluation replays held-out scenes round-robin over the tasks and logs a success rate
+    per task; the rollout CLI then does the same on the run."""
     from jaxpar.config import load_config
     from jaxpar.parallel.mesh import Layout
     from jaxpar.robot.metaworld_eval import round_robin
@@ -186,7 +187,7 @@ def test_training_evaluates_meta_world_in_closed_loop(splits, tmp_path, capsys):
                                            "eval.batches=1", "mesh.dp=2", "mesh.tp=1", "model.d_model=32",
                                            "model.n_layers=1", "model.d_ff=64", "vision.width=32", "vision.depth=1",
                                            "vision.mlp_dim=64", "vision.projector_dim=32", "vision.image_size=16",
-                                           "vision.patch_size=4", "actions.chunk=4"])
+                                           "vision.patch_size=4", "actions.chunk=4", "vision.state_dims=4"])
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(config)))  # as jaxpar.train writes it
     train(config, Layout.for_config(config).make_mesh(), tmp_path, show_progress=False)
     last = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]

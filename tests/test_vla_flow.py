@@ -78,12 +78,38 @@ def test_the_draws_are_the_same_on_every_layout_and_new_at_every_step():
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("dp", "tp"))
     sharded = jax.jit(vla.flow_noise, static_argnums=0,
                       out_shardings=NamedSharding(mesh, P("dp", "tp")))(SINGLE, batch, 5)
-    for key in ("noise", "time"):
+    for key in ("noise", "time"):  # (a guarantee of threefry's: the step below relies on it)
         np.testing.assert_array_equal(np.asarray(sharded[key]), first[key])
     assert np.all(first["time"] == first["time"][:, :1]) and len(np.unique(first["time"][:, 0])) == 8  # one t per row
     assert np.all((first["time"] >= 0.001) & (first["time"] <= 1.0))
     later = jax.device_get(vla.flow_noise(SINGLE, batch, 6))
     assert not np.any(later["noise"] == first["noise"])
+
+
+def test_the_times_follow_beta_1_5_1_weighted_toward_noise():
+    """t = 0.001 + 0.999 Beta(1.5, 1) (openpi's): its CDF ((t - 0.001) / 0.999)^1.5, checked at a few points."""
+    times = np.asarray(vla.flow_noise(SINGLE, {"mask": np.zeros((40000, 1), np.float32)}, 0)["time"])[:, 0]
+    assert times.mean() == pytest.approx(0.001 + 0.999 * 0.6, abs=0.005)
+    for t in (0.2, 0.5, 0.8):
+        assert np.mean(times <= t) == pytest.approx(((t - 0.001) / 0.999) ** 1.5, abs=0.01), t
+
+
+def test_the_exact_velocity_has_zero_loss_and_its_euler_steps_land_on_the_value(monkeypatch):
+    """Independent of the head: along the straight path x_t = t noise + (1 - t) value, the field (x_t - value) / t is
+    the constant noise - value, so the loss of a head that returns it is 0, and integrating it from the noise at
+    t = 1 down to t = 0 in any number of Euler steps lands on the value."""
+    batch = jax.device_get(vla.flow_noise(SINGLE, vla.synthetic_batch(SINGLE, 0, 4), 0))
+    slots = vla.action_targets(SINGLE)
+    value = jnp.asarray(_unit_targets(batch, SINGLE), jnp.float32)  # [B, slots]
+    positions = jnp.arange(vla.sequence_layout(SINGLE)[2] - slots, vla.sequence_layout(SINGLE)[2])
+    monkeypatch.setattr(vla, "flow_head_input", lambda *args: None)
+    monkeypatch.setattr(vla, "flow_velocity", lambda _, xt, t, *rest: ((xt - value) / t, positions))
+    loss = vla.flow_loss_sum({}, None, batch, SINGLE, vla.Collectives(), slots)
+    assert float(loss) == pytest.approx(0.0, abs=1e-6)
+    for steps in (1, 3, 10):
+        config = base.with_values(SINGLE, actions=dict(flow_steps=steps))
+        landed, _ = vla.flow_sample({}, None, jnp.asarray(batch["noise"]), config, vla.Collectives(), slots)
+        np.testing.assert_allclose(landed, value, atol=2e-5)
 
 
 # (2,2,2) 1F1B: the head part (the MLP's hidden dim over pp x tp, the conditioning replicated) on the last stage's
@@ -122,7 +148,8 @@ def test_decoding_integrates_the_velocity_from_noise_in_flow_steps_euler_steps()
     slots = CHUNK * SINGLE.actions.dims
     assert values.shape == unit.shape == (2, slots)
     hidden = _hidden(params, batch, SINGLE)
-    x = np.asarray(jax.random.normal(jax.random.key(SINGLE.train.seed), (2, slots), jnp.float32), np.float64)
+    x = np.asarray(jax.random.normal(jax.random.key(SINGLE.train.seed), (1, slots), jnp.float32), np.float64)
+    x = np.broadcast_to(x, (2, slots))  # one noise for every row: one observation, one chunk
     for k in range(3):  # t = 1, 2/3, 1/3, each step dt = 1/3 toward t = 0
         x = x - _numpy_velocity(params, hidden, x, np.full(x.shape, 1 - k / 3), SINGLE) / 3
     np.testing.assert_allclose(unit, x, rtol=1e-4, atol=1e-5)
@@ -139,10 +166,15 @@ def test_evaluation_scores_the_flow_loss_and_the_sampled_values():
     sums = jax.device_get(Evaluator(b).jit_eval_step()(state.params, jax.device_put(batch, b.batch_sharding())))
     single = base.single_device_params(SINGLE)
     drawn = jax.device_get(vla.flow_noise(SINGLE, batch, vla.EVAL_DRAWS))
-    np.testing.assert_allclose(sums["loss"], _numpy_flow_loss(single, _hidden(single, drawn, SINGLE), drawn, SINGLE),
-                               rtol=1e-4)
+    hidden = _hidden(single, drawn, SINGLE)
+    np.testing.assert_allclose(sums["loss"], _numpy_flow_loss(single, hidden, drawn, SINGLE), rtol=1e-4)
     assert sums["action_tokens"] == sums["tokens"] == batch["mask"].sum()
+    # the values sampled inside the pipeline (each step's sum over pp x tp) are one device's, from the same noise
+    pred, positions = vla.flow_sample(single, hidden, drawn["noise"], SINGLE, vla.Collectives())
+    want = jax.device_get(vla.continuous_eval_sums(SINGLE, pred, positions, drawn, 0.0))
     assert 0 < sums["action_abs_err"] and sums["action_correct"] <= sums["action_tokens"]
+    np.testing.assert_allclose(sums["action_abs_err"], want["action_abs_err"], rtol=1e-4)
+    assert sums["action_correct"] == pytest.approx(want["action_correct"], abs=1)  # (a value at a bin's edge)
 
 
 def test_flow_head_errors_are_one_line():

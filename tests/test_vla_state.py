@@ -160,3 +160,9 @@ def test_a_vla_trains_on_the_states_of_a_lerobot_dataset_and_rolls_out_with_them
     np.testing.assert_array_equal(np.float32(saved["state_high"]), np.float32(stats["q99"]))
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0.0 <= last["eval_success_rate"] <= 1.0 and "eval_action_accuracy" in last
+    # the rollout CLI on the run: its policy compiled (with a state) before the clock starts, then the scenes
+    rolled = subprocess.run([sys.executable, "-m", "jaxpar.rollout", "--workdir", str(tmp_path / "run"), "--scenes", "4",
+                             "--json"], capture_output=True, text=True, timeout=600)
+    assert rolled.returncode == 0, rolled.stderr[-3000:]
+    report = json.loads(rolled.stdout.strip().splitlines()[-1])
+    assert report["scenes"] == 4 and 0.0 <= report["success_rate"] <= 1.0

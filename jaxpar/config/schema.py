@@ -227,8 +227,9 @@ class ActionConfig:
     # what predicts the actions: tokens (the action bins' ids, cross-entropy: OpenVLA, or OFT's parallel decoding
     # when chunk > 1) or l1 (OpenVLA-OFT's continuous head: an MLP on each action slot's last hidden state regresses
     # its value, normalised to [-1, 1] by the bins' range, with an L1 loss; jaxpar.models.vla, "The l1 head") or flow
-    # (flow matching: the same MLP, also reading the noised value and the time, predicts the velocity from noise to
-    # the value; `flow_steps` Euler steps from noise at inference; jaxpar.models.vla, "The flow head")
+    # (flow matching: the same MLP, also reading the noised value and the time, predicts the velocity noise - value
+    # along the straight path between them; `flow_steps` Euler steps from noise at inference; jaxpar.models.vla, "The
+    # flow head")
     head: str = "tokens"
     flow_steps: int = 10  # the flow head's integration steps at inference (pi0's 10)
     bins: int = 256

@@ -109,8 +109,9 @@ def predict_actions(params: dict, images_BxCamxHxWxC: jax.Array, instruction_BxT
         cache = init_cache(cfg, x.shape[0], x.shape[1], cfg.n_kv_heads, x.dtype)
         if config.actions.continuous:
             x, _ = hidden_states(params, x, cache, 0, cfg, coll, vla.prefix_len(config))
-            if config.actions.head == "flow":  # from fixed noise (train.seed's): one observation, one chunk
-                noise = jax.random.normal(jax.random.key(config.train.seed), (x.shape[0], slots), jnp.float32)
+            if config.actions.head == "flow":  # from one fixed noise (train.seed's) for every row: one observation,
+                noise = jax.random.normal(jax.random.key(config.train.seed), (1, slots), jnp.float32)  # one chunk
+                noise = jnp.broadcast_to(noise, (x.shape[0], slots))
                 unit, positions = vla.flow_sample(params, x, noise, config, coll, slots)
             else:
                 unit, positions = vla.l1_predictions(params, x, config, coll, slots)

@@ -436,8 +436,8 @@ def flow_noise(config: Config, batch: dict, step) -> dict:
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.train.seed), FLOW_SALT), step)
     noise_key, time_key = jax.random.split(key)
     shape = batch["mask"].shape
-    # Beta(1.5, 1) by its inverse CDF (t^1.5): jax.random.beta's rejection loop, partitioned over the batch, would
-    # put an all-reduce in a while loop's condition, beside the step's collectives
+    # Beta(1.5, 1) as u^(2/3), the inverse of its CDF t^1.5: jax.random.beta's rejection loop, partitioned over the
+    # batch, would put an all-reduce in a while loop's condition, beside the step's collectives
     time_Bx1 = 0.001 + 0.999 * jax.random.uniform(time_key, (shape[0], 1), jnp.float32) ** (1.0 / 1.5)
     return {**batch, "noise": jax.random.normal(noise_key, shape, jnp.float32),
             "time": jnp.broadcast_to(time_Bx1, shape)}
@@ -449,24 +449,30 @@ def flow_features(xt_BxS: jax.Array, t_BxS: jax.Array) -> jax.Array:
     return jnp.concatenate([xt_BxS[..., None], jnp.sin(angles), jnp.cos(angles)], axis=-1)
 
 
-def flow_velocity(params: dict, x_BxSxD: jax.Array, xt_BxS: jax.Array, t_BxS: jax.Array, config: Config,
-                  coll: Collectives, last: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """(the flow head's velocity at each position for its action dim [B, S'] fp32, the positions S'), given the
-    noised values and times at the same positions (whole, or already the last `last`). The conditioning joins the
-    normed hidden state before the tensor-parallel split: on each sequence-parallel shard its own positions'."""
+def flow_head_input(params: dict, x_BxSxD: jax.Array, config: Config, coll: Collectives,
+                    last: int | None = None) -> tuple[jax.Array, dict]:
+    """(the normed hidden states of the positions the head reads, the head's weights), gathered once for a loss or
+    for every step of a sampling."""
     x_BxSxD, head = coll.use_weights(x_BxSxD, {k: params[k] for k in FLOW_READS}, FLOW_READS)
+    x_BxSxD = x_BxSxD if last is None else x_BxSxD[:, -last:]
+    return rms_norm(x_BxSxD, head["final_norm"], config.model.norm_eps), head
+
+
+def flow_velocity(head_input: tuple[jax.Array, dict], xt_BxS: jax.Array, t_BxS: jax.Array, config: Config,
+                  coll: Collectives, last: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(the flow head's velocity at each position for its action dim [B, S'] fp32, the positions S'), given
+    flow_head_input's output and the noised values and times at the same positions (whole, or already the last
+    `last`). The conditioning joins the normed hidden state before the tensor-parallel split: on each
+    sequence-parallel shard its own positions'."""
+    normed_BxSxD, head = head_input
     cond_BxSxC = flow_features(xt_BxS, t_BxS)
-    if last is None:
-        cond_BxSxC = coll.sequence_shard(cond_BxSxC)
-    else:
-        x_BxSxD, cond_BxSxC = x_BxSxD[:, -last:], cond_BxSxC[:, -last:]
+    cond_BxSxC = coll.sequence_shard(cond_BxSxC) if last is None else cond_BxSxC[:, -last:]
     mlp = head[ACTION_HEAD]
     # typed as varying where x is (a pipeline's head: over pp) on the weight, not on the [B, S, D] product: JAX then
     # sums the weight's gradient, as a norm's, where use_weights orders it (an activation's sum would be unordered)
-    cond_BxSxD = jnp.einsum("bsc,cd->bsd", typed_like(cond_BxSxC.astype(x_BxSxD.dtype), x_BxSxD),
-                            typed_like(mlp[W_COND], x_BxSxD), preferred_element_type=jnp.float32)
-    z_BxSxD = rms_norm(x_BxSxD, head["final_norm"], config.model.norm_eps) + cond_BxSxD.astype(x_BxSxD.dtype)
-    z_BxSxD = coll.enter_tensor_parallel(z_BxSxD)
+    cond_BxSxD = jnp.einsum("bsc,cd->bsd", typed_like(cond_BxSxC.astype(normed_BxSxD.dtype), normed_BxSxD),
+                            typed_like(mlp[W_COND], normed_BxSxD), preferred_element_type=jnp.float32)
+    z_BxSxD = coll.enter_tensor_parallel(normed_BxSxD + cond_BxSxD.astype(normed_BxSxD.dtype))
     return _slot_values(mlp, z_BxSxD if last is None else z_BxSxD[:, -last:], config, coll, last)
 
 
@@ -478,7 +484,8 @@ def flow_loss_sum(params: dict, x_BxSxD: jax.Array, batch: dict, config: Config,
     dim_S = slot_dims(config, _head_positions(config, coll, values_BxS.shape[1], last))[1]
     target_BxS = normalise_values(config, values_BxS, dim_S)
     xt_BxS = t_BxS * noise_BxS + (1.0 - t_BxS) * target_BxS
-    velocity_BxS, _ = flow_velocity(params, x_BxSxD, xt_BxS, t_BxS, config, coll, last)
+    velocity_BxS, _ = flow_velocity(flow_head_input(params, x_BxSxD, config, coll, last), xt_BxS, t_BxS, config, coll,
+                                    last)
     return jnp.sum(jnp.square(velocity_BxS - (noise_BxS - target_BxS)) * mask_BxS.astype(jnp.float32))
 
 
@@ -486,12 +493,12 @@ def flow_sample(params: dict, x_BxSxD: jax.Array, noise_BxS: jax.Array, config: 
                 last: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(normalised values [B, S'], positions S'): from `noise` at t = 1, actions.flow_steps Euler steps of the
     velocity to t = 0 (the LLM's hidden states `x` computed once)."""
-    steps = config.actions.flow_steps
+    steps, head_input = config.actions.flow_steps, flow_head_input(params, x_BxSxD, config, coll, last)
     xt_BxS = noise_BxS if last is None else noise_BxS[:, -last:]
     positions_S = None
     for k in range(steps):  # (unrolled: a handful of small MLP calls)
         t_BxS = jnp.full(xt_BxS.shape, 1.0 - k / steps, jnp.float32)
-        velocity_BxS, positions_S = flow_velocity(params, x_BxSxD, xt_BxS, t_BxS, config, coll, last)
+        velocity_BxS, positions_S = flow_velocity(head_input, xt_BxS, t_BxS, config, coll, last)
         xt_BxS = xt_BxS - velocity_BxS / steps
     return xt_BxS, positions_S
 

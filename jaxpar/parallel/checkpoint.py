@@ -41,6 +41,8 @@ def _model_fingerprint(config: Config) -> dict:
     state = {"precision": "bf16" if config.precision == "fp8" else config.precision, "clipping": config.train.grad_clip > 0}
     if config.fp8_delayed:  # the FP8 counters (and the optimizer's partition): another tree
         state["fp8_counters"] = "llm and vision" if config.model.kind == "vla" else True
+    if config.model.kind == "vla" and config.actions.head == "flow":  # its conditioning weight: another tree (l1
+        state["action_head"] = "flow"  # and tokens checkpoints written before this key carry none, so it names flow)
     out = {"model": model, "state": state}
     if config.model.kind == "vla":
         out["vision"] = {k: _as_json(v) for k, v in dataclasses.asdict(config.vision).items() if k not in VISION_FREE}

@@ -85,8 +85,9 @@ def evaluate_metaworld(args, config, step: int, weights, model_policy, write_gif
     rollouts = MetaWorldRollouts(config, args.max_steps or MAX_STEPS)
     policy, size = model_policy(config, weights), config.vision.image_size
     group = rollouts.scenes[:metaworld.SCENES_AT_ONCE]  # the batch the groups are stepped in
+    state = (np.zeros((len(group), config.vision.state_dims), np.float32),) if policy.reads_state else ()
     policy(np.zeros((len(group), 1, size, size, 3), np.uint8),  # compiled before the clock starts
-           [metaworld.INSTRUCTIONS[scene["task"]] for scene in group])
+           [metaworld.INSTRUCTIONS[scene["task"]] for scene in group], *state)
     shown = min(args.gif_scenes, args.scenes) if args.gif else 0
     result = rollouts.run(policy, shown)
     if args.gif:

@@ -218,7 +218,8 @@ def evaluate(args) -> dict:
     step, weights = restore(workdir, args.checkpoint_step)
     frames = min(args.gif_scenes, args.scenes) if args.gif else 0
     policy, first = model_policy(config, weights), TaskEnv(shape, scenes)
-    policy(first.render(), first.instructions)  # compiled before the clock starts: seconds and actions a second
+    # compiled before the clock starts: seconds and actions a second (with the state, if the policy reads it)
+    policy(first.render(), first.instructions, *((first.state(),) if policy.reads_state else ()))
     result = run_rollouts(policy, scenes, max_steps, shape, frames)
     chance = run_rollouts(random_policy(shape, args.seed), scenes, max_steps, shape)
     if args.gif:

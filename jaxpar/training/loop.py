@@ -179,28 +179,38 @@ def _run_steps(config, step_fn, state, start, data, logger, checkpoints, preempt
                 checkpoints.save(step, state, data.get_state())
                 saved = step
             if evaluation is not None and evaluation.due(step) and step < steps:
-                saved = _evaluate_keeping_work(evaluation, step, state, saved, checkpoints, data)
+                _evaluate_keeping_work(evaluation, step, state, saved, checkpoints, data)
         logger.flush()
     except TrainingStopped:
         checkpoints.save(step, state, data.get_state())  # the skipped step left the weights as they were
         raise
-    if step > saved:  # (after another error the state may be gone: nothing is saved then)
+    if step > saved:  # (after another error, except an evaluation's, the state may be gone: nothing is saved then)
         checkpoints.save(step, state, data.get_state())
     if evaluation is not None and step == steps > start:  # after the save: a failing evaluation loses no work
         evaluation.run(step, state.params)
     return step
 
 
-def _evaluate_keeping_work(evaluation, step: int, state, saved: int, checkpoints: Checkpointer, data) -> int:
-    """A mid-run evaluation; if it fails (a simulator's error, a bug in a policy wrapper), the steps since the last
-    checkpoint are saved before the error goes on, so a rerun resumes here. Returns the last saved step."""
+def _evaluate_keeping_work(evaluation, step: int, state, saved: int, checkpoints: Checkpointer, data) -> None:
+    """A mid-run evaluation. If it fails on any process (a simulator's error, a bug in a policy wrapper), every
+    process learns so, they save the steps since the last checkpoint together (a collective save: one process
+    alone would wait for the others forever), and the error goes on: a rerun resumes here."""
+    error = None
     try:
         evaluation.run(step, state.params)
-    except Exception:
-        if step > saved:
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the save
+        error = err
+    if not _on_any_process(error is not None):
+        return
+    if step > saved:
+        try:
             checkpoints.save(step, state, data.get_state())
-        raise
-    return saved
+        except Exception as save_error:  # (the evaluation's error is the one to report)
+            raise (error or save_error) from save_error
+    if error is not None:
+        raise error
+    raise RuntimeError(f"step {step}: the evaluation failed on another process (its error is in that process's log); "
+                       f"the checkpoint of step {step} is saved, so rerunning the command resumes there")
 
 
 def _fresh_state(builder: StepBuilder):
@@ -237,9 +247,9 @@ def _initial_state(builder: StepBuilder, checkpoints: Checkpointer):
         return _fresh_state(builder), 0, None
     for step in sorted(steps, reverse=True):
         _, error = _unless_unreadable(lambda: checkpoints.check_readable(step))
-        if not _agreed_unreadable(error is not None):
+        if not _on_any_process(error is not None):
             restored, error = _unless_unreadable(lambda: checkpoints.restore(builder.abstract_state(), step))
-            if not _agreed_unreadable(error is not None):
+            if not _on_any_process(error is not None):
                 if jax.process_index() == 0:
                     print(f"resuming from step {step} ({checkpoints.directory})")
                 return restored
@@ -283,8 +293,9 @@ def is_unreadable(err: BaseException) -> bool:
     return isinstance(err, (OSError, ValueError, KeyError, EOFError))
 
 
-def _agreed_unreadable(here: bool) -> bool:
-    """True on every process when any process found the checkpoint unreadable."""
+def _on_any_process(here: bool) -> bool:
+    """True on every process when `here` is true on any process (a checkpoint found unreadable, an evaluation
+    failed)."""
     if jax.process_count() == 1:
         return here
     return bool(np.any(multihost_utils.process_allgather(np.array([here], np.int32))))
