@@ -3,8 +3,10 @@
 import json
 
 import numpy as np
+import pytest
 
 from conftest import builder_for, make_config
+from jaxpar.training import loop
 from jaxpar.training.loop import train
 
 
@@ -35,26 +37,27 @@ def test_spike_detector_flags_three_sigma_jumps_only():
     assert detector.observe(17, float("nan")) is None  # NaNs are the NaN guard's business
 
 
-def test_a_failing_mid_run_evaluation_keeps_the_steps_before_it(tmp_path, monkeypatch):
-    """An evaluation that raises (a simulator's error, a policy wrapper's bug) goes on as an error, but only after
-    the steps since the last checkpoint are saved: a rerun resumes at the evaluation's step. A Meta-World run once
-    lost 30 minutes this way."""
-    import pytest
-
-    from jaxpar.training import loop
-
-    class FailingEvaluation:
+def _evaluation_at(due_step: int, error: Exception | None = None):
+    """A stand-in for loop.Evaluation: due at `due_step` only, raising `error` there (None: it passes)."""
+    class StandInEvaluation:
         def __init__(self, *args):
             pass
 
         def due(self, step):
-            return step == 2
+            return step == due_step
 
         def run(self, step, params):
-            raise RuntimeError("the simulator broke")
+            if error is not None:
+                raise error
+    return StandInEvaluation
 
+
+def test_a_failing_mid_run_evaluation_keeps_the_steps_before_it(tmp_path, monkeypatch):
+    """An evaluation that raises (a simulator's error, a policy wrapper's bug) goes on as an error, but only after
+    the steps since the last checkpoint are saved: a rerun resumes at the evaluation's step. A Meta-World run once
+    lost 30 minutes this way."""
     monkeypatch.setattr(loop, "has_evaluation", lambda config: True)
-    monkeypatch.setattr(loop, "Evaluation", FailingEvaluation)
+    monkeypatch.setattr(loop, "Evaluation", _evaluation_at(2, RuntimeError("the simulator broke")))
     config = make_config(dp=2, tp=4, stage=1, steps=5)
     with pytest.raises(RuntimeError, match="the simulator broke"):
         train(config, builder_for(config).mesh, tmp_path, show_progress=False)
@@ -64,22 +67,8 @@ def test_a_failing_mid_run_evaluation_keeps_the_steps_before_it(tmp_path, monkey
 def test_an_evaluation_failing_on_another_process_saves_here_too(tmp_path, monkeypatch):
     """Every process agrees whether an evaluation failed anywhere before any saves (a collective save joined by one
     process alone would wait forever); here the other process's failure is simulated by the agreement."""
-    import pytest
-
-    from jaxpar.training import loop
-
-    class PassingEvaluation:
-        def __init__(self, *args):
-            pass
-
-        def due(self, step):
-            return step == 3
-
-        def run(self, step, params):
-            pass
-
     monkeypatch.setattr(loop, "has_evaluation", lambda config: True)
-    monkeypatch.setattr(loop, "Evaluation", PassingEvaluation)
+    monkeypatch.setattr(loop, "Evaluation", _evaluation_at(3))
     monkeypatch.setattr(loop, "_on_any_process", lambda here: True)  # another process's evaluation failed
     config = make_config(dp=2, tp=4, stage=1, steps=5)
     with pytest.raises(RuntimeError, match="step 3: the evaluation failed on another process"):

@@ -176,6 +176,12 @@ def on_layout(config, mesh, schedule, vision_tp):
                        pipeline=pipe, zero=dict(stage=int(schedule[-1]) if schedule.startswith("zero") else 1))
 
 
+def assert_action_head_split_like_the_vocabulary(state, mesh):
+    """The l1 / flow head's MLP: its hidden dim over the head's pp x tp, as the vocabulary."""
+    w1 = state.params["action_head"]["w1"]
+    assert {s.data.shape[1] for s in w1.addressable_shards} == {w1.shape[1] // (mesh[1] * mesh[2])}
+
+
 def assert_matches_reference(losses, grads, ref):
     """Losses within 1e-5 and every gradient within float32 rounding of the single-device `ref` (reference())."""
     ref_losses, ref_grads, _ = ref

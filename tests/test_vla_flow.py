@@ -128,8 +128,7 @@ def test_flow_vla_matches_single_device(mesh, schedule, vision_tp, sp):
     losses, grads, state = base.run(config, single=SINGLE)
     assert np.abs(base.reference(SINGLE)[1]["action_head"]["w_cond"]).max() > 0
     base.assert_matches_reference(losses, grads, base.reference(SINGLE))
-    w1 = state.params["action_head"]["w1"]  # its hidden dim split like the vocabulary
-    assert {s.data.shape[1] for s in w1.addressable_shards} == {w1.shape[1] // (mesh[1] * mesh[2])}
+    base.assert_action_head_split_like_the_vocabulary(state, mesh)
 
 
 @pytest.mark.slow
