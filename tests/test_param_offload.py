@@ -91,20 +91,26 @@ def test_host_update_needs_the_optimizer_on_the_host_and_a_known_place():
 # ----------------------------------------------------------------------------- the update on the host
 
 
+def assert_close_in_float32(actual, expected):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6 * np.max(np.abs(expected)))
+
+
 @pytest.mark.parametrize("precision, layout", [("fp32", dict(dp=2, tp=2, stage=1)),
                                                pytest.param("bf16", dict(dp=4, stage=3), marks=pytest.mark.slow)])
-def test_host_update_gives_the_device_updates_bits(precision, layout):
-    """offload.update=host runs AdamW where the state lives; the same arithmetic as on the device (XLA:CPU),
-    so the same bits: losses and final parameters, state left on the host."""
+def test_host_update_computes_the_device_update(precision, layout):
+    """offload.update=host runs AdamW where the state lives; the same arithmetic as on the device (XLA:CPU), in
+    another program, so the same losses and final parameters within float32 rounding, not bit for bit: LLVM
+    rounds the two programs' fused updates apart at XLA's default optimisation as at the suite's fast codegen
+    (measured, fp32: 19 and 394 of 8192 weights a few ulp apart, at most 3.7e-9). State left on the host."""
     base = dataclasses.replace(make_config(precision=precision, **layout), remat=FULL)
     on_device = dataclasses.replace(base, offload=OffloadConfig(optimizer=True))
     on_host = dataclasses.replace(base, offload=OffloadConfig(optimizer=True, update="host",
                                                               params=layout["stage"] == 3))
     _, device_losses, device_state = run(on_device)
     _, host_losses, host_state = run(on_host)
-    np.testing.assert_array_equal(host_losses, device_losses)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                 jax.device_get(host_state.params), jax.device_get(device_state.params))
+    np.testing.assert_allclose(host_losses, device_losses, rtol=1e-6)
+    jax.tree.map(assert_close_in_float32, jax.device_get(host_state.params), jax.device_get(device_state.params))
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(host_state.opt_state)} == {HOST}
 
 
