@@ -39,8 +39,8 @@ def fast_codegen_in_this_process() -> None:
 
     XLA reads XLA_FLAGS once per process, at its first compile: the flags are in the environment for that
     compile and taken out again, so subprocesses (every `python -m jaxpar.train` a test starts, the GPU
-    dry runs) compile with XLA's defaults as a user's run does (measured: the fast flags save a subprocess
-    nothing, its compiles are small and few). A level in the user's XLA_FLAGS wins."""
+    dry runs) compile with XLA's defaults as a user's run does (measured: LLVM's level 0 saved the two-process
+    tests nothing; their time is startup and coordination). A level in the user's XLA_FLAGS wins."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" in flags:
         return
