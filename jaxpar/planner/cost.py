@@ -31,6 +31,7 @@ dp outermost.
 from __future__ import annotations
 
 from jaxpar.config import Config, patches_per_image
+from jaxpar.models import vla
 from jaxpar.models.flops import model_flops_per_step
 from jaxpar.planner import kernels, offload, traffic
 from jaxpar.planner.traffic import slot_counts
@@ -195,7 +196,7 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     # what a GPU's schedule hides (XLA's latency-hiding scheduler, jaxpar.compiler.gpu_program): the backward's
     # tp all-reduces run beside its weight-gradient matmuls; the pipeline's sends beside the ticks' compute
     tp_exposed = tp_s * 2 * forwards / (2 * forwards + 2)
-    cp_s, cp_link = _cp_comm_s(config, hw, gpus_per_node, c, forwards)
+    cp_s, cp_link = _cp_comm_s(config, hw, gpus_per_node)
     return {"tp_comm_s": tp_s, "tp_exposed_s": tp_exposed, "pp_sends_s": sends_s, "cp_comm_s": cp_s,
             "vision_dp_s": _vision_dp_s(config, hw, gpus_per_node, c),
             "dp_comm_s": dp["total"], "dp_in_scan_s": dp["in_scan"], "dp_in_forward_s": dp["in_forward"],
@@ -204,27 +205,46 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
             "links": {"tp": tp_link, "dp": dp["link"], "pp": pp_link, **({"cp": cp_link} if config.mesh.cp > 1 else {})}}
 
 
-def _cp_comm_s(config: Config, hw: Hardware, gpus_per_node: int, c: int, forwards: int) -> tuple[float, str]:
-    """Context parallelism's K / V traffic per step. Each layer forward (and recomputed forward) brings the
-    other cp - 1 ranks' K and V: one all-gather each (all_gather), or cp - 1 sends of a block (ring). The
-    backward returns their gradients: all_gather's reduce-scatters of dK, dV (the same bytes); the ring's
-    cp - 1 sends of K / V again plus cp sends of the travelling dK / dV in fp32 (jaxpar.layers.ring). Ulysses:
-    (cp - 1) / cp of q, k, v and the output each way, in every pass. Counted as exposed, though a GPU's
-    schedule overlaps most of them (BENCHMARKS.md)."""
-    mesh, m = config.mesh, config.model
+def cp_bytes(config: Config) -> dict[str, float]:
+    """Context parallelism's K / V collectives of one step on one device, in bytes of the full buffer by op, as
+    the compiled program's collectives count them (tests/test_plan.py checks the two agree, strategy by
+    strategy). A block is K and V of this rank's tokens and tp heads; each layer forward (and recomputed
+    forward) and the backward move, per microbatch:
+    - all_gather: the cp blocks gathered (cp x block), their gradients reduce-scattered in the backward.
+    - ring: a block sent cp - 1 times forward; in the backward K / V go round again (cp - 1 sends) and the
+      travelling dK / dV, in fp32, cp times (jaxpar.layers.ring). A VLA's prefix-LM also gathers the prefix's
+      keys and values, as all_gather does; a prefix that is the whole sequence (action chunks) runs no ring,
+      only that gather (jaxpar.layers.collectives.context_attention).
+    - ulysses: q, k, v and the output all-to-all, in every pass, backward included."""
+    mesh, m, c = config.mesh, config.model, (2 if config.bf16_compute else 4)
+    if mesh.cp <= 1:
+        return {}
+    passes = (config.pipeline.microbatches if mesh.pp > 1 else config.train.grad_accum) * (m.n_layers // mesh.pp)
+    forwards = 1 + (config.remat.policy == "full") + (mesh.pp > 1 and config.pipeline.stage_recompute)
+    tokens = microbatch(config) * local_seq(config)
+    block = c * tokens * 2 * max(m.n_kv_heads // mesh.tp, 1) * m.head_dim
+    if mesh.cp_strategy == "ulysses":
+        queries = c * tokens * m.n_heads // mesh.tp * m.head_dim
+        return {"all-to-all": (forwards + 1) * (block + 2 * queries) * passes}
+    prefix = m.kind == "vla" and m.prefix_lm
+    whole_prefix = m.kind == "vla" and vla.prefix_len(config) >= seq_len(config)
+    gathers = {"all-gather": forwards * mesh.cp * block * passes, "reduce-scatter": mesh.cp * block * passes}
+    if mesh.cp_strategy == "all_gather" or whole_prefix:
+        return gathers
+    sends = (forwards + 1) * (mesh.cp - 1) * block + mesh.cp * block * 4 / c
+    return {"collective-permute": sends * passes, **(gathers if prefix else {})}
+
+
+def _cp_comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> tuple[float, str]:
+    """cp_bytes in seconds at the cp group's link: a ring's sends move their whole buffer, the gathers,
+    reduce-scatters and all-to-alls (cp - 1) / cp of theirs. Counted as exposed, though a GPU's schedule
+    overlaps most of them (BENCHMARKS.md)."""
+    mesh = config.mesh
     if mesh.cp <= 1:
         return 0.0, "none"
-    passes = config.pipeline.microbatches if mesh.pp > 1 else config.train.grad_accum
-    kv = max(m.n_kv_heads // mesh.tp, 1) * m.head_dim
-    block = c * microbatch(config) * local_seq(config) * 2 * kv  # K and V of one rank's tokens, its tp heads
     bw, link = link_bandwidth(mesh.tp, mesh.cp, gpus_per_node, hw)
-    if mesh.cp_strategy == "ulysses":  # q, k, v and the output all-to-all, (cp - 1) / cp of each, both ways
-        q = m.n_heads // mesh.tp * m.head_dim
-        swapped = (mesh.cp - 1) / mesh.cp * (block + 2 * c * microbatch(config) * local_seq(config) * q)
-        return (forwards + 1) * swapped * (m.n_layers // mesh.pp) * passes / bw, link
-    gathered = (mesh.cp - 1) * block
-    backward = gathered + (mesh.cp * block * 4 / c if mesh.cp_strategy == "ring" else 0)
-    return (forwards * gathered + backward) * (m.n_layers // mesh.pp) * passes / bw, link
+    wire = sum(n * (1 if op == "collective-permute" else (mesh.cp - 1) / mesh.cp) for op, n in cp_bytes(config).items())
+    return wire / bw, link
 
 
 def _vision_dp_s(config: Config, hw: Hardware, gpus_per_node: int, c: int) -> float:
