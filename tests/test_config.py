@@ -32,7 +32,7 @@ OTHER_KEYS = {
     "vision.image_size": int, "vision.patch_size": int, "vision.channels": int, "vision.cameras": int,
     "vision.width": int, "vision.depth": int, "vision.n_heads": int, "vision.mlp_dim": int,
     "vision.projector_dim": int, "vision.pos_init": str, "vision.film": bool, "vision.tp": int, "vision.zero.stage": int, "vision.remat.policy": str,
-    "actions.dims": int, "actions.chunk": int, "actions.head": str, "actions.flow_steps": int, "actions.bins": int, "actions.low": float, "actions.high": float,
+    "actions.dims": int, "actions.chunk": int, "actions.execute": int, "actions.head": str, "actions.flow_steps": int, "actions.bins": int, "actions.low": float, "actions.high": float,
     "actions.instruction_len": int, "actions.instruction_tokenizer": str, "checkpoint.every": int, "checkpoint.keep": int, "debug.nan_at_step": int,
     "train.on_nan": str, "train.nan_guard": str, "data.train": str, "data.eval": str, "data.generate": bool, "data.workers": int,
     "eval.every": int, "eval.batches": int,

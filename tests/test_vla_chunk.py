@@ -186,6 +186,8 @@ def test_rollouts_run_a_chunk_open_loop():
 
 def test_chunk_mistakes_are_one_line_errors():
     for changes, expected in ((dict(actions=dict(chunk=0)), "actions.chunk=0"),
+                              (dict(actions=dict(chunk=4, execute=5)), "actions.execute=5: run 1 to actions.chunk=4"),
+                              (dict(actions=dict(chunk=4, execute=-1)), "actions.execute=-1"),
                               (dict(actions=dict(chunk=4), model=dict(prefix_lm=False)), "needs model.prefix_lm=true")):
         with pytest.raises(ConfigError, match=expected) as err:
             validate(base.with_values(base.BASE, **changes))

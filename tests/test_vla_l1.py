@@ -134,6 +134,7 @@ def test_l1_head_errors_are_one_line():
 @pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), CHUNK])  # (chunk 1: [B, dims], slow)
 def test_the_rollout_policy_returns_the_decoded_values(chunk):
     from jaxpar.data.instructions import InstructionEncoder
+    from jaxpar.robot import env as task
     from jaxpar.robot import rollout
 
     config = base.with_values(SINGLE, actions=dict(chunk=chunk))
@@ -144,3 +145,10 @@ def test_the_rollout_policy_returns_the_decoded_values(chunk):
     text, film = InstructionEncoder.for_config(config).encode_batch(["reach the red square", "go"], "test")
     values, _ = decode.predict_actions(params, images, text, config, film)
     np.testing.assert_allclose(actions.reshape(2, -1), values, rtol=1e-5, atol=1e-6)
+    if chunk > 1:  # a receding horizon: the chunk's first actions.execute steps, and a call per that many steps
+        receding = base.with_values(config, actions=dict(execute=2))
+        policy = rollout.model_policy(receding, params)
+        np.testing.assert_array_equal(policy(images, ["reach the red square", "go"]), actions[:, :2])
+        shape = task.TaskShape.from_config(receding)
+        result = rollout.run_rollouts(policy, task.draw_scenes(6, 0, shape), 5, shape)
+        assert result["policy_calls"] == 3 and result["trajectories"].shape[0] == 6  # 2 + 2 + 1 steps

@@ -246,6 +246,9 @@ def _validate_vla(config: Config) -> None:
     _require(act.dims >= 1 and act.instruction_len >= 1 and act.high > act.low,
              "actions.dims and actions.instruction_len must be >= 1 and actions.high > actions.low")
     _require(act.chunk >= 1, f"actions.chunk={act.chunk}: predict at least 1 step per call")
+    _require(0 <= act.execute <= act.chunk,
+             f"actions.execute={act.execute}: run 1 to actions.chunk={act.chunk} steps of each chunk before the next "
+             f"policy call, or 0 for all of them")
     _require(act.flow_steps >= 1, f"actions.flow_steps={act.flow_steps}: the flow head integrates from noise in at "
                                   f"least 1 step; use 10 (pi0's)")
     _require(not act.parallel_slots or model.prefix_lm,

@@ -224,6 +224,10 @@ class ActionConfig:
     # actions predicted per call (H): 1 decodes one step's tokens one by one (OpenVLA); H > 1 decodes the next H
     # steps' H x dims tokens at once from placeholder slots attending to each other (OpenVLA-OFT's parallel decoding)
     chunk: int = 1
+    # steps of each predicted chunk a closed loop runs before it calls the policy again (evaluation rollouts and
+    # `python -m jaxpar.rollout`; training does not read it): 0 = all H, open loop (OpenVLA-OFT, pi0); 1 <= K < H a
+    # receding horizon (the rest of the chunk is dropped, and the next call sees the frame K steps on)
+    execute: int = 0
     # what predicts the actions: tokens (the action bins' ids, cross-entropy: OpenVLA, or OFT's parallel decoding
     # when chunk > 1) or l1 (OpenVLA-OFT's continuous head: an MLP on each action slot's last hidden state regresses
     # its value, normalised to [-1, 1] by the bins' range, with an L1 loss; jaxpar.models.vla, "The l1 head") or flow

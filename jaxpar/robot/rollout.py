@@ -2,7 +2,7 @@
 environment (jaxpar.robot.env) until it reaches the named square, on scenes it never trained on.
 
     python -m jaxpar.rollout --workdir W --scenes N [--max_steps K] [--seed S] [--checkpoint_step N]
-        [--gif PATH] [--gif_scenes 4] [--json]
+        [--execute K] [--gif PATH] [--gif_scenes 4] [--json]
 
 Held-out token accuracy says how often the model copies the expert's next action; a rollout says
 whether its own mistakes compound: each step's frame comes from where its previous actions led.
@@ -15,6 +15,7 @@ expert's steps on the same scenes and the success rate of uniform random actions
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -26,8 +27,8 @@ from jaxpar.robot.closed_loop import step_closed_loop
 from jaxpar.robot.env import TaskEnv, TaskShape, draw_scenes, expert_steps, random_policy, split_task
 from jaxpar.errors import ConfigError
 
-USAGE = ("--workdir W --scenes N [--max_steps K] [--seed S] [--checkpoint_step N] [--gif PATH] [--gif_scenes 4] "
-         "[--json]")
+USAGE = ("--workdir W --scenes N [--max_steps K] [--seed S] [--checkpoint_step N] [--execute K] [--gif PATH] "
+         "[--gif_scenes 4] [--json]")
 SEED_SALT = 7_919  # held-out scenes from --seed S differ from a data split written with seed S
 GIF_TILE = 128  # pixels a scene is upscaled to (nearest), so a 16-pixel frame is visible
 GIF_CAPTION = 14  # pixels of caption under each tile
@@ -70,7 +71,9 @@ def model_policy(config, weights, predict=None, place=None):
     `weights`: a dict as jaxpar.inference.loader.restore_weights returns (host numpy: put on the
     default device once) or jax arrays already placed, in model layer order. The decoder is jitted
     once; each batch size compiles once. The training loop may pass its own jitted `predict` and
-    `place` (host arrays -> global arrays) to run on the training layout (TrainingRollouts)."""
+    `place` (host arrays -> global arrays) to run on the training layout (TrainingRollouts). A chunk comes back
+    cut to its first `actions.execute` steps when that is set (a receding horizon: the closed loop runs what it
+    gets, then calls again)."""
     import jax
 
     from jaxpar.data.instructions import InstructionEncoder
@@ -101,8 +104,10 @@ def model_policy(config, weights, predict=None, place=None):
         if config.actions.parallel_slots:  # [B, H x dims] step-major -> [B, H, dims]
             out = out.reshape(out.shape[0], config.actions.chunk, config.actions.dims)
         if config.actions.continuous:  # the actions themselves
-            return out.astype(np.float32)[:, 0] if config.actions.chunk == 1 else out.astype(np.float32)
-        return np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(out)), np.float32)
+            out = out.astype(np.float32)[:, 0] if config.actions.chunk == 1 else out.astype(np.float32)
+        else:
+            out = np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(out)), np.float32)
+        return out[:, :config.actions.execute] if config.actions.execute and out.ndim == 3 else out  # receding horizon
 
     policy.reads_state = bool(config.vision.state_dims)
     return policy
@@ -156,6 +161,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--max_steps", type=int, default=None)  # default: 2 x grid
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint_step", type=int, default=None)  # default: the latest checkpoint
+    parser.add_argument("--execute", type=int, default=None)  # steps of each chunk per call; default: the run's actions.execute
     parser.add_argument("--gif")
     parser.add_argument("--gif_scenes", type=int, default=4)
     parser.add_argument("--json", action="store_true")
@@ -165,8 +171,9 @@ def parse_args(argv: list[str]):
     return args
 
 
-def run_config(workdir: pathlib.Path):
-    """The run's Config, read before any checkpoint is restored, so a wrong run fails at once."""
+def run_config(workdir: pathlib.Path, execute: int | None = None):
+    """The run's Config, read before any checkpoint is restored, so a wrong run fails at once; `execute` (--execute)
+    replaces its actions.execute: how a chunk runs is the rollout's choice, not the weights'."""
     from jaxpar.config import Config, from_dict
 
     path = workdir / "config.json"
@@ -175,7 +182,12 @@ def run_config(workdir: pathlib.Path):
     config = from_dict(Config, json.loads(path.read_text()))
     if config.model.kind != "vla":
         raise ConfigError(f"{workdir} trained a {config.model.kind}; rollouts need a VLA run (model.kind=vla)")
-    return config
+    if execute is None:
+        return config
+    if not 0 <= execute <= config.actions.chunk:
+        raise ConfigError(f"--execute {execute}: the run predicts chunks of actions.chunk={config.actions.chunk} steps; "
+                          f"run 1 to {config.actions.chunk} of them per policy call, or 0 for all")
+    return dataclasses.replace(config, actions=dataclasses.replace(config.actions, execute=execute))
 
 
 def train_scenes(config) -> tuple[set[str], str | None]:
@@ -206,7 +218,7 @@ def restore(workdir: pathlib.Path, step: int | None):
 def evaluate(args) -> dict:
     """Restore the run, draw the held-out scenes, roll out; the CLI's result as plain JSON types."""
     workdir = pathlib.Path(args.workdir)
-    config = run_config(workdir)
+    config = run_config(workdir, args.execute)
     from jaxpar.robot.metaworld_eval import evaluate_metaworld, is_metaworld_split
 
     if is_metaworld_split(config.data.eval):
@@ -225,7 +237,7 @@ def evaluate(args) -> dict:
     if args.gif:
         write_gif(pathlib.Path(args.gif), result)
     return {"workdir": str(workdir), "step": int(step), "scenes": len(scenes), "seed": args.seed,
-            "max_steps": max_steps, "success_rate": result["success_rate"], "mean_steps": _json(result["mean_steps"]),
+            "max_steps": max_steps, "execute": executed_steps(config), "success_rate": result["success_rate"], "mean_steps": _json(result["mean_steps"]),
             "expert_mean_steps": _json(result["expert_mean_steps"]), "random_success_rate": chance["success_rate"],
             "excluded_train_scenes": len(exclude), "checked_against_train": note is None, "note": note,
             "seconds": round(result["seconds"], 3), "policy_calls": result["policy_calls"],
@@ -312,6 +324,11 @@ class TrainingRollouts:
         return run_rollouts(self.policy(params), self.scenes, self.max_steps, self.shape)
 
 
+def executed_steps(config) -> int:
+    """Steps of each policy call the closed loop runs (actions.execute, or the whole chunk)."""
+    return config.actions.execute or config.actions.chunk
+
+
 def _json(x: float) -> float | None:
     return None if np.isnan(x) else round(x, 4)  # JSON has no NaN
 
@@ -321,7 +338,7 @@ def summary(out: dict) -> str:
         tasks = ", ".join(f"{task} {rate:.0%}" for task, rate in out["per_task"].items())
         return (f"step {out['step']}: success rate {out['success_rate']:.1%} on {out['scenes']} held-out Meta-World "
                 f"scenes of {out['data']} (at most {out['max_steps']} steps): {tasks}; {out['policy_calls']} policy "
-                f"calls, {out['actions_per_second']:.0f} actions a second")
+                f"calls ({out['execute']} steps each), {out['actions_per_second']:.0f} actions a second")
     successes = sum(s["success"] for s in out["per_scene"])
     steps = (f"mean steps to success {out['mean_steps']:.2f} (the expert's on those scenes: "
              f"{out['expert_mean_steps']:.2f})" if successes else "no success")
@@ -329,7 +346,7 @@ def summary(out: dict) -> str:
                 else "not checked against the train split")
     lines = [f"step {out['step']}: success rate {out['success_rate']:.1%} ({successes}/{out['scenes']} held-out "
              f"scenes, {excluded}; at most {out['max_steps']} steps); {steps}; uniform random actions: "
-             f"{out['random_success_rate']:.1%}; {out['policy_calls']} policy calls, "
+             f"{out['random_success_rate']:.1%}; {out['policy_calls']} policy calls ({out['execute']} steps each), "
              f"{out['actions_per_second']:.0f} actions a second"]
     if out["note"]:
         lines.append(f"note: {out['note']}")
