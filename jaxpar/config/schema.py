@@ -254,6 +254,11 @@ class ActionConfig:
         return self.chunk > 1 or self.head != "tokens"
 
     @property
+    def steps_per_call(self) -> int:
+        """Steps a closed loop runs from each policy call: `execute`, or the whole chunk."""
+        return self.execute or self.chunk
+
+    @property
     def continuous(self) -> bool:
         """Whether a head regresses or samples the values themselves (l1, flow): no action tokens."""
         return self.head != "tokens"

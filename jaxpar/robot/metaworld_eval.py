@@ -94,7 +94,7 @@ def evaluate_metaworld(args, config, step: int, weights, model_policy, write_gif
         labels = [scene["task"].removesuffix("-v3") for scene in rollouts.scenes[:shown]]
         write_gif(pathlib.Path(args.gif), {**result, "labels": labels})
     return {"workdir": str(args.workdir), "step": int(step), "data": config.data.eval, "scenes": len(rollouts.scenes),
-            "max_steps": rollouts.max_steps, "execute": config.actions.execute or config.actions.chunk,
+            "max_steps": rollouts.max_steps, "execute": config.actions.steps_per_call,
             "success_rate": result["success_rate"], "per_task": result["per_task"],
             "policy_calls": result["policy_calls"], "actions_per_second": round(result["actions_per_second"], 1),
             "seconds": round(result["seconds"], 3),

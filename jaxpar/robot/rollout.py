@@ -237,7 +237,7 @@ def evaluate(args) -> dict:
     if args.gif:
         write_gif(pathlib.Path(args.gif), result)
     return {"workdir": str(workdir), "step": int(step), "scenes": len(scenes), "seed": args.seed,
-            "max_steps": max_steps, "execute": executed_steps(config), "success_rate": result["success_rate"], "mean_steps": _json(result["mean_steps"]),
+            "max_steps": max_steps, "execute": config.actions.steps_per_call, "success_rate": result["success_rate"], "mean_steps": _json(result["mean_steps"]),
             "expert_mean_steps": _json(result["expert_mean_steps"]), "random_success_rate": chance["success_rate"],
             "excluded_train_scenes": len(exclude), "checked_against_train": note is None, "note": note,
             "seconds": round(result["seconds"], 3), "policy_calls": result["policy_calls"],
@@ -322,11 +322,6 @@ class TrainingRollouts:
         if self.metaworld is not None:
             return self.metaworld.run(self.policy(params))
         return run_rollouts(self.policy(params), self.scenes, self.max_steps, self.shape)
-
-
-def executed_steps(config) -> int:
-    """Steps of each policy call the closed loop runs (actions.execute, or the whole chunk)."""
-    return config.actions.execute or config.actions.chunk
 
 
 def _json(x: float) -> float | None:
