@@ -207,32 +207,39 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
 
 def cp_bytes(config: Config) -> dict[str, float]:
     """Context parallelism's K / V collectives of one step on one device, in bytes of the full buffer by op, as
-    the compiled program's collectives count them (tests/test_plan.py checks the two agree, strategy by
-    strategy). A block is K and V of this rank's tokens and tp heads; each layer forward (and recomputed
-    forward) and the backward move, per microbatch:
-    - all_gather: the cp blocks gathered (cp x block), their gradients reduce-scattered in the backward.
+    the compiled program's collectives count them (tests/test_plan.py checks the two agree across strategies,
+    remat policies, ZeRO-3 and a pipeline). A block is K and V of this rank's tokens and tp heads. Per layer
+    pass (a pipeline's executed chunk slots, masked ones too: traffic.layer_passes):
+    - all_gather: the forward gathers the cp blocks (cp x block); the backward reduce-scatters their
+      gradients, and gathers them again unless the forward's are kept: remat none keeps them, full reruns the
+      forward, and ZeRO-3's policy never keeps an all-gather's output (jaxpar.parallel.zero.never_keep_gathered).
     - ring: a block sent cp - 1 times forward; in the backward K / V go round again (cp - 1 sends) and the
-      travelling dK / dV, in fp32, cp times (jaxpar.layers.ring). A VLA's prefix-LM also gathers the prefix's
-      keys and values, as all_gather does; a prefix that is the whole sequence (action chunks) runs no ring,
-      only that gather (jaxpar.layers.collectives.context_attention).
-    - ulysses: q, k, v and the output all-to-all, in every pass, backward included."""
+      travelling dK / dV, in fp32, cp times (jaxpar.layers.ring); a rerun forward sends its own. A VLA's
+      prefix-LM also gathers the prefix's keys and values, as all_gather does; a prefix that is the whole
+      sequence (action chunks) runs no ring, only that gather (jaxpar.layers.collectives.context_attention).
+    - ulysses: q, k, v and the output all-to-all in the forward and the backward, and again in the backward
+      under every policy but none (the exchanged tensors are not kept) and full (its rerun forward's);
+      a tp rank's K / V heads repeated to cp where it has fewer (jaxpar.layers.ulysses)."""
     mesh, m, c = config.mesh, config.model, (2 if config.bf16_compute else 4)
     if mesh.cp <= 1:
         return {}
-    passes = (config.pipeline.microbatches if mesh.pp > 1 else config.train.grad_accum) * (m.n_layers // mesh.pp)
-    forwards = 1 + (config.remat.policy == "full") + (mesh.pp > 1 and config.pipeline.stage_recompute)
+    passes = traffic.layer_passes(config, slot_counts(config))
+    forward, backward, policy = passes["forward"], passes["backward"], config.remat.policy
+    rerun = (policy == "full") + (mesh.pp > 1 and config.pipeline.stage_recompute)  # forwards again per backward
     tokens = microbatch(config) * local_seq(config)
-    block = c * tokens * 2 * max(m.n_kv_heads // mesh.tp, 1) * m.head_dim
+    kv = max(m.n_kv_heads // mesh.tp, 1)
     if mesh.cp_strategy == "ulysses":
-        queries = c * tokens * m.n_heads // mesh.tp * m.head_dim
-        return {"all-to-all": (forwards + 1) * (block + 2 * queries) * passes}
-    prefix = m.kind == "vla" and m.prefix_lm
-    whole_prefix = m.kind == "vla" and vla.prefix_len(config) >= seq_len(config)
-    gathers = {"all-gather": forwards * mesh.cp * block * passes, "reduce-scatter": mesh.cp * block * passes}
-    if mesh.cp_strategy == "all_gather" or whole_prefix:
+        swapped = c * tokens * m.head_dim * (2 * max(kv, mesh.cp) + 2 * (m.n_heads // mesh.tp))
+        again = rerun + (policy not in ("none", "full"))
+        return {"all-to-all": swapped * (forward + backward * (1 + again))}
+    block = c * tokens * 2 * kv * m.head_dim
+    regather = rerun + (policy != "full" and (policy != "none" or config.zero.stage >= 3))
+    gathers = {"all-gather": mesh.cp * block * (forward + backward * regather),
+               "reduce-scatter": mesh.cp * block * backward}
+    if mesh.cp_strategy == "all_gather" or (m.kind == "vla" and vla.prefix_len(config) >= seq_len(config)):
         return gathers
-    sends = (forwards + 1) * (mesh.cp - 1) * block + mesh.cp * block * 4 / c
-    return {"collective-permute": sends * passes, **(gathers if prefix else {})}
+    sends = (mesh.cp - 1) * block * (forward + backward * (1 + rerun)) + mesh.cp * block * 4 / c * backward
+    return {"collective-permute": sends, **(gathers if m.kind == "vla" and m.prefix_lm else {})}
 
 
 def _cp_comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> tuple[float, str]:

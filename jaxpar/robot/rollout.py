@@ -107,7 +107,7 @@ def model_policy(config, weights, predict=None, place=None):
             out = out.astype(np.float32)[:, 0] if config.actions.chunk == 1 else out.astype(np.float32)
         else:
             out = np.asarray(tokenizer.from_bins(tokenizer.tokens_to_bins(out)), np.float32)
-        return out[:, :config.actions.execute] if config.actions.execute and out.ndim == 3 else out  # receding horizon
+        return out[:, :config.actions.steps_per_call] if out.ndim == 3 else out  # actions.execute: a receding horizon
 
     policy.reads_state = bool(config.vision.state_dims)
     return policy
@@ -324,6 +324,10 @@ class TrainingRollouts:
         return run_rollouts(self.policy(params), self.scenes, self.max_steps, self.shape)
 
 
+def _steps(n: int) -> str:
+    return f"{n} step{'s' if n != 1 else ''}"
+
+
 def _json(x: float) -> float | None:
     return None if np.isnan(x) else round(x, 4)  # JSON has no NaN
 
@@ -333,7 +337,7 @@ def summary(out: dict) -> str:
         tasks = ", ".join(f"{task} {rate:.0%}" for task, rate in out["per_task"].items())
         return (f"step {out['step']}: success rate {out['success_rate']:.1%} on {out['scenes']} held-out Meta-World "
                 f"scenes of {out['data']} (at most {out['max_steps']} steps): {tasks}; {out['policy_calls']} policy "
-                f"calls ({out['execute']} steps each), {out['actions_per_second']:.0f} actions a second")
+                f"calls ({_steps(out['execute'])} each), {out['actions_per_second']:.0f} actions a second")
     successes = sum(s["success"] for s in out["per_scene"])
     steps = (f"mean steps to success {out['mean_steps']:.2f} (the expert's on those scenes: "
              f"{out['expert_mean_steps']:.2f})" if successes else "no success")
@@ -341,7 +345,7 @@ def summary(out: dict) -> str:
                 else "not checked against the train split")
     lines = [f"step {out['step']}: success rate {out['success_rate']:.1%} ({successes}/{out['scenes']} held-out "
              f"scenes, {excluded}; at most {out['max_steps']} steps); {steps}; uniform random actions: "
-             f"{out['random_success_rate']:.1%}; {out['policy_calls']} policy calls ({out['execute']} steps each), "
+             f"{out['random_success_rate']:.1%}; {out['policy_calls']} policy calls ({_steps(out['execute'])} each), "
              f"{out['actions_per_second']:.0f} actions a second"]
     if out["note"]:
         lines.append(f"note: {out['note']}")
