@@ -527,7 +527,7 @@ def cp_traffic_config(model: str, strategy: str, remat: str | None, layout: str)
         config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, cp=2, cp_strategy=strategy),
                                      remat=RematConfig(remat), pipeline=PipelineConfig("1f1b", 2 if pp > 1 else 1))
     else:
-        chunk = 4 if model == "vla_chunks" else 1  # (sequences of 4 x 16 + 34 + 6 x 1 and + 32 + 6 x 4 tokens: 2 cp x 2)
+        chunk = 4 if model == "vla_chunks" else 1  # (4 x 16 + 34 + 6 x 1 and + 32 + 6 x 4 tokens: 2 cp x 2)
         config = test_vla.with_values(test_vla.BASE, mesh=dict(dp=1, pp=1, tp=1, cp=2, cp_strategy=strategy),
                                       pipeline=dict(microbatches=1),
                                       actions=dict(instruction_len=34 if chunk == 1 else 32, chunk=chunk))

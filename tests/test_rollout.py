@@ -334,7 +334,8 @@ def test_cli_mistakes_are_one_line_errors(tiny_vla, tmp_path, capsys):
                             "--scenes", 4],
         "has no checkpoint": ["--workdir", write_run(tmp_path / "fresh", config), "--scenes", 4],
         "--checkpoint_step 7 is not among": ["--workdir", run_dir, "--scenes", 4, "--checkpoint_step", 7],
-        "--execute 2: the run predicts chunks of actions.chunk=1": ["--workdir", run_dir, "--scenes", 4, "--execute", 2],
+        "--execute 2: the run predicts chunks of actions.chunk=1": ["--workdir", run_dir, "--scenes", 4,
+                                                                   "--execute", 2],
         "must be >= 1": ["--workdir", run_dir, "--scenes", 0],
         "unrecognized arguments": ["--workdir", run_dir, "--scenes", 4, "--bogus"],
         "data was made for another task shape": [

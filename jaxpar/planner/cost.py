@@ -250,7 +250,8 @@ def _cp_comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> tuple[float,
     if mesh.cp <= 1:
         return 0.0, "none"
     bw, link = link_bandwidth(mesh.tp, mesh.cp, gpus_per_node, hw)
-    wire = sum(n * (1 if op == "collective-permute" else (mesh.cp - 1) / mesh.cp) for op, n in cp_bytes(config).items())
+    share = {"collective-permute": 1.0}  # of the full buffer each device sends
+    wire = sum(n * share.get(op, (mesh.cp - 1) / mesh.cp) for op, n in cp_bytes(config).items())
     return wire / bw, link
 
 

@@ -161,7 +161,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--max_steps", type=int, default=None)  # default: 2 x grid
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint_step", type=int, default=None)  # default: the latest checkpoint
-    parser.add_argument("--execute", type=int, default=None)  # steps of each chunk per call; default: the run's actions.execute
+    parser.add_argument("--execute", type=int, default=None)  # steps of each chunk per call; default: actions.execute
     parser.add_argument("--gif")
     parser.add_argument("--gif_scenes", type=int, default=4)
     parser.add_argument("--json", action="store_true")
@@ -185,8 +185,9 @@ def run_config(workdir: pathlib.Path, execute: int | None = None):
     if execute is None:
         return config
     if not 0 <= execute <= config.actions.chunk:
-        raise ConfigError(f"--execute {execute}: the run predicts chunks of actions.chunk={config.actions.chunk} steps; "
-                          f"run 1 to {config.actions.chunk} of them per policy call, or 0 for all")
+        chunk = config.actions.chunk
+        raise ConfigError(f"--execute {execute}: the run predicts chunks of actions.chunk={chunk} steps; run 1 to "
+                          f"{chunk} of them per policy call, or 0 for all")
     return dataclasses.replace(config, actions=dataclasses.replace(config.actions, execute=execute))
 
 
@@ -237,7 +238,8 @@ def evaluate(args) -> dict:
     if args.gif:
         write_gif(pathlib.Path(args.gif), result)
     return {"workdir": str(workdir), "step": int(step), "scenes": len(scenes), "seed": args.seed,
-            "max_steps": max_steps, "execute": config.actions.steps_per_call, "success_rate": result["success_rate"], "mean_steps": _json(result["mean_steps"]),
+            "max_steps": max_steps, "execute": config.actions.steps_per_call, "success_rate": result["success_rate"],
+            "mean_steps": _json(result["mean_steps"]),
             "expert_mean_steps": _json(result["expert_mean_steps"]), "random_success_rate": chance["success_rate"],
             "excluded_train_scenes": len(exclude), "checked_against_train": note is None, "note": note,
             "seconds": round(result["seconds"], 3), "policy_calls": result["policy_calls"],
