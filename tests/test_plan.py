@@ -490,14 +490,19 @@ def test_planned_dp_bytes_are_the_compiled_programs(layout):
 def compiled_dp_bytes(config: Config, widened=False) -> dict[str, float]:
     """Bytes of the compiled step's dp (and cp) collectives by op. `widened`: XLA:CPU runs bf16 all-gathers in
     f32, so theirs count half."""
+    mesh = config.mesh
+    zero_axes = "+".join(axis for axis, n in (("dp", mesh.dp), ("cp", mesh.cp)) if n > 1)  # cp alone also moves K / V
+    return compiled_axis_bytes(config, zero_axes, widened=widened)
+
+
+def compiled_axis_bytes(config: Config, axes: str, skip: tuple[str, ...] = (), widened=False) -> dict[str, float]:
+    """Bytes of the compiled step's collectives over exactly `axes` ("dp+cp"), by op, `skip`'s ops left out."""
     builder = builder_for(config)
     with mock.patch.object(jax.stages.Lowered, "compile", _fast_compile):
         report = dr.dry_run(config, builder.mesh)
-    mesh = config.mesh
-    zero_axes = "+".join(axis for axis, n in (("dp", mesh.dp), ("cp", mesh.cp)) if n > 1)  # cp alone also moves K / V
     compiled = {}
     for row in report["collectives"]:
-        if row["axis"] == zero_axes:
+        if row["axis"] == axes and row["op"] not in skip:
             half = widened and row["op"] == "all-gather" and row["dtype"] == "f32"
             compiled[row["op"]] = compiled.get(row["op"], 0) + row["bytes"] / (2 if half else 1)
     return compiled
@@ -542,25 +547,13 @@ def test_planned_cp_bytes_are_the_compiled_programs(case):
     runs over dp x cp) and the VLA's ZeRO-1 shards and image tokens, read from its ulysses program, whose
     attention moves only all-to-alls."""
     config = cp_traffic_config(*case)
-    compiled = cp_axis_bytes(config)
+    compiled = compiled_axis_bytes(config, "cp", skip=("all-reduce",))
     if case[0] != "llama":
         ulysses = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, cp_strategy="ulysses"))
-        others = cp_axis_bytes(ulysses)
+        others = compiled_axis_bytes(ulysses, "cp", skip=("all-reduce",))
         ops = (set(compiled) | set(others)) - {"all-to-all"}
         compiled = {op: n for op in ops if (n := compiled.get(op, 0) - others.get(op, 0))}
     assert compiled == cost.cp_bytes(config)
-
-
-def cp_axis_bytes(config: Config) -> dict[str, float]:
-    """Bytes of the compiled step's collectives over the cp axis alone, by op, all-reduces left out."""
-    builder = builder_for(config)
-    with mock.patch.object(jax.stages.Lowered, "compile", _fast_compile):
-        report = dr.dry_run(config, builder.mesh)
-    compiled = {}
-    for row in report["collectives"]:
-        if row["axis"] == "cp" and row["op"] != "all-reduce":
-            compiled[row["op"]] = compiled.get(row["op"], 0) + row["bytes"]
-    return compiled
 
 
 @pytest.mark.slow  # make test's budget: the ZeRO-3 layout above stays in it

@@ -178,7 +178,7 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
     passes = config.pipeline.microbatches if p > 1 else config.train.grad_accum
     activation = c * microbatch(config) * local_seq(config) * m.d_model  # one [b, s / cp, d] in compute dtype
     # tp: 2 all-reduces per layer forward, 2 backward, 2 more per recomputed forward (full remat, stage recompute)
-    forwards = 1 + (config.remat.policy == "full") + (p > 1 and config.pipeline.stage_recompute)
+    forwards = 1 + rerun_forwards(config)
     tp_bw, tp_link = link_bandwidth(1, mesh.tp, gpus_per_node, hw)
     tp_s = ring_allreduce_s((2 * forwards + 2) * (m.n_layers // p) * passes * activation, mesh.tp, tp_bw)
     dp = _dp_comm_s(config, hw, gpus_per_node)
@@ -205,6 +205,11 @@ def _comm_s(config: Config, hw: Hardware, gpus_per_node: int) -> dict:
             "links": {"tp": tp_link, "dp": dp["link"], "pp": pp_link, **({"cp": cp_link} if config.mesh.cp > 1 else {})}}
 
 
+def rerun_forwards(config: Config) -> int:
+    """Layer forwards a backward runs again: full remat's, and a pipeline's whole-stage recompute."""
+    return int(config.remat.policy == "full") + int(config.mesh.pp > 1 and config.pipeline.stage_recompute)
+
+
 def cp_bytes(config: Config) -> dict[str, float]:
     """Context parallelism's K / V collectives of one step on one device, in bytes of the full buffer by op, as
     the compiled program's collectives count them (tests/test_plan.py checks the two agree across strategies,
@@ -225,7 +230,7 @@ def cp_bytes(config: Config) -> dict[str, float]:
         return {}
     passes = traffic.layer_passes(config, slot_counts(config))
     forward, backward, policy = passes["forward"], passes["backward"], config.remat.policy
-    rerun = (policy == "full") + (mesh.pp > 1 and config.pipeline.stage_recompute)  # forwards again per backward
+    rerun = rerun_forwards(config)
     tokens = microbatch(config) * local_seq(config)
     kv = max(m.n_kv_heads // mesh.tp, 1)
     if mesh.cp_strategy == "ulysses":
